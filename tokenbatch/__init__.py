@@ -1,0 +1,15 @@
+"""tokenbatch: length-aware dynamic batching under a token budget, with an OOM fallback."""
+
+from tokenbatch.cost import CostModel
+from tokenbatch.plan import OversizeSampleError
+from tokenbatch.sampler import PlanStats, TokenBudgetBatchSampler
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CostModel",
+    "OversizeSampleError",
+    "PlanStats",
+    "TokenBudgetBatchSampler",
+    "__version__",
+]

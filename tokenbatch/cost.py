@@ -1,0 +1,97 @@
+"""The memory estimate that a token budget is measured in."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import overload
+
+import numpy as np
+
+from tokenbatch import _checks
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Estimated memory of one padded batch, in units of your choosing.
+
+    ``cost(batch_size, max_len) = batch_size * (linear * L + quadratic * L**2 + per_sample)``
+    where ``L`` is ``max_len`` rounded up to ``pad_to_multiple_of``. With the
+    defaults the cost is simply the number of padded tokens; a positive
+    ``quadratic`` term models attention scores, which grow with the square of
+    the length.
+
+    Args:
+        linear: cost per padded token (activations that grow with length).
+        quadratic: cost per pair of tokens in a sequence (attention scores).
+        per_sample: fixed cost per sequence, whatever its length.
+        pad_to_multiple_of: the collator's ``pad_to_multiple_of``; lengths are
+            rounded up to it before costing.
+
+    Example:
+        >>> CostModel().cost(8, 100)  # 8 sequences padded to 100 tokens
+        800.0
+        >>> CostModel(quadratic=1 / 1024, pad_to_multiple_of=8).cost(2, 1020)
+        4080.0
+    """
+
+    linear: float = 1.0
+    quadratic: float = 0.0
+    per_sample: float = 0.0
+    pad_to_multiple_of: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("linear", "quadratic", "per_sample"):
+            object.__setattr__(self, name, _checks.non_negative_number(name, getattr(self, name)))
+        object.__setattr__(
+            self,
+            "pad_to_multiple_of",
+            _checks.positive_int("pad_to_multiple_of", self.pad_to_multiple_of),
+        )
+        if self.linear == 0 and self.quadratic == 0 and self.per_sample == 0:
+            raise ValueError(
+                "CostModel needs at least one positive term, but got linear=0, quadratic=0, "
+                "per_sample=0; use the default CostModel() to count padded tokens"
+            )
+
+    @classmethod
+    def attention(cls, crossover: float = 512.0, *, pad_to_multiple_of: int = 1) -> CostModel:
+        """Padded tokens plus quadratic attention, in token units.
+
+        ``crossover`` is the sequence length at which a sequence's attention
+        scores (quadratic in length) take as much memory as all its other
+        activations (linear in length). The cost of a batch is
+        ``batch_size * L * (1 + L / crossover)``: short sequences cost about
+        their token count, a sequence of length ``crossover`` costs twice that.
+        For a BERT-style encoder storing eager attention scores in 16-bit
+        floats, Korthikanti et al. (2022) give about ``34 * hidden`` bytes per
+        token and ``5 * heads`` bytes per token pair and layer, so
+        ``crossover = 34 * hidden / (5 * heads)``: about 435 for bert-base.
+
+        Example:
+            >>> CostModel.attention(crossover=1024).cost(1, 1024)
+            2048.0
+        """
+        crossover = _checks.positive_number("crossover", crossover)
+        return cls(linear=1.0, quadratic=1.0 / crossover, pad_to_multiple_of=pad_to_multiple_of)
+
+    def padded_length(self, max_len: np.ndarray | int) -> np.ndarray | int:
+        """``max_len`` rounded up to ``pad_to_multiple_of``."""
+        m = self.pad_to_multiple_of
+        return -(-max_len // m) * m
+
+    @overload
+    def cost(self, batch_size: int, max_len: int) -> float: ...
+    @overload
+    def cost(self, batch_size: np.ndarray, max_len: np.ndarray | int) -> np.ndarray: ...
+    @overload
+    def cost(self, batch_size: int, max_len: np.ndarray) -> np.ndarray: ...
+
+    def cost(self, batch_size: np.ndarray | int, max_len: np.ndarray | int) -> np.ndarray | float:
+        """Cost of ``batch_size`` sequences padded to ``max_len``; numpy arrays broadcast."""
+        result = np.asarray(batch_size, dtype=np.float64) * self.sample_cost(max_len)
+        return float(result) if result.ndim == 0 else result
+
+    def sample_cost(self, length: np.ndarray | int) -> np.ndarray:
+        """Cost of one sequence padded to ``length`` (the batch's longest)."""
+        padded = np.asarray(self.padded_length(np.asarray(length, dtype=np.int64)), dtype=np.float64)
+        return self.linear * padded + self.quadratic * padded * padded + self.per_sample

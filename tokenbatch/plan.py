@@ -1,0 +1,337 @@
+"""Pure planning: sample lengths in, batches grouped into global steps out.
+
+Nothing here knows about torch, processes or files: every function is a
+deterministic function of its numpy inputs and the random generator it is
+given, which is what makes a plan reproducible on every rank and after a
+restart.
+
+The algorithm, per epoch (or per re-plan of what is left of one):
+
+1. Order the samples by padded length; ties are broken at random, so samples
+   of equal length meet different batch-mates each epoch.
+2. Pack greedily along that order: each batch takes as many samples as fit
+   ``count * cost(longest) <= budget``. Runs of equal length are packed in one
+   numpy step, so the Python loop is over distinct lengths, not samples.
+   The first batch gets a random share of the budget, which shifts every
+   batch boundary from one epoch to the next.
+3. Make the batch count a multiple of the number of ranks, by splitting the
+   largest batches (or, with ``drop_last``, dropping the cheapest ones).
+4. Group batches of similar cost into global steps of ``num_replicas``
+   batches, one per rank, so no rank waits long on another; shuffle the
+   steps, and put the costliest step first so an out-of-memory error shows
+   at step 0 rather than hours in.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+
+import numpy as np
+
+OVERSIZE_POLICIES = ("error", "skip", "alone")
+
+
+class OversizeSampleError(ValueError):
+    """A single sample costs more than the whole budget (``oversize="error"``)."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Batches of sample indices, laid out step after step.
+
+    Batch ``b`` is ``order[offsets[b]:offsets[b + 1]]``; global step ``s``
+    holds batches ``s * num_replicas`` to ``(s + 1) * num_replicas - 1``,
+    one for each rank in rank order.
+    """
+
+    order: np.ndarray
+    offsets: np.ndarray
+    num_replicas: int
+    skipped: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
+    dropped: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
+
+    @property
+    def num_batches(self) -> int:
+        return len(self.offsets) - 1
+
+    @property
+    def num_steps(self) -> int:
+        return self.num_batches // self.num_replicas
+
+    def batch(self, index: int) -> np.ndarray:
+        return self.order[self.offsets[index] : self.offsets[index + 1]]
+
+    def batch_sizes(self) -> np.ndarray:
+        return np.diff(self.offsets)
+
+    def first_steps(self, steps: int) -> Plan:
+        """The plan cut after ``steps`` global steps."""
+        end = steps * self.num_replicas
+        return Plan(
+            self.order[: self.offsets[end]],
+            self.offsets[: end + 1],
+            self.num_replicas,
+            self.skipped,
+            self.dropped,
+        )
+
+    def then(self, rest: Plan) -> Plan:
+        """This plan followed by ``rest`` (same number of replicas)."""
+        return Plan(
+            np.concatenate([self.order, rest.order]),
+            np.concatenate([self.offsets, rest.offsets[1:] + self.offsets[-1]]),
+            self.num_replicas,
+            np.concatenate([self.skipped, rest.skipped]),
+            np.concatenate([self.dropped, rest.dropped]),
+        )
+
+    def remaining_after(self, steps: int) -> np.ndarray:
+        """Indices of the samples in steps ``steps`` onwards."""
+        return self.order[self.offsets[steps * self.num_replicas] :]
+
+
+def oversize_error(
+    too_big: np.ndarray, keys: np.ndarray, unit: np.ndarray, budget: float
+) -> OversizeSampleError:
+    """The error for samples ``too_big`` that each cost more than ``budget`` alone."""
+    first = int(too_big[0])
+    return OversizeSampleError(
+        f"sample {first} (padded length {int(keys[first])}) costs {float(unit[first]):g} "
+        f"on its own, more than the budget max_tokens={budget:g} "
+        f"({len(too_big)} sample(s) do); raise max_tokens to at least "
+        f"{float(unit[too_big].max()):g}, truncate the sequences, or pass "
+        f"oversize='alone' (a batch of one) or oversize='skip'"
+    )
+
+
+def _fit_count(unit: float, budget: float, max_batch_size: int | None) -> int:
+    """The most samples of per-sample cost ``unit`` that fit ``budget``."""
+    count = int(budget // unit)
+    # Float division can land one off either way; settle it with the same
+    # product the cost model computes.
+    while count > 0 and count * unit > budget:
+        count -= 1
+    while (count + 1) * unit <= budget:
+        count += 1
+    return count if max_batch_size is None else min(count, max_batch_size)
+
+
+def _round_to_multiple(count: int, multiple: int) -> int:
+    return count - count % multiple if count >= multiple else count
+
+
+def pack_sorted(
+    unit_sorted: np.ndarray,
+    budget: float,
+    *,
+    max_batch_size: int | None = None,
+    batch_size_multiple: int = 1,
+    first_budget: float | None = None,
+) -> np.ndarray:
+    """Greedy batch sizes along samples sorted by per-sample cost.
+
+    Args:
+        unit_sorted: per-sample costs in nondecreasing order, each <= budget.
+        budget: the most a batch may cost (``count * its largest unit cost``).
+        max_batch_size: optional cap on samples per batch.
+        batch_size_multiple: batch sizes are rounded down to a multiple of
+            this where at least that many samples fit.
+        first_budget: a smaller budget for the first batch only.
+
+    Returns:
+        The batch sizes, in order; they sum to ``len(unit_sorted)``.
+
+    Example:
+        >>> pack_sorted(np.array([1.0, 1.0, 2.0, 2.0, 4.0]), 4.0).tolist()
+        [3, 1, 1]
+    """
+    n = len(unit_sorted)
+    run_ends = np.append(np.flatnonzero(unit_sorted[1:] != unit_sorted[:-1]) + 1, n)
+    pieces: list[np.ndarray] = []
+    start = 0
+    run = 0
+    limit = budget if first_budget is None else min(first_budget, budget)
+    while start < n:
+        while run_ends[run] <= start:
+            run += 1
+        unit = float(unit_sorted[start])
+        room = _fit_count(unit, limit, max_batch_size)
+        if room == 0:  # the first batch's share was too small for its first sample
+            limit = budget
+            continue
+        full = _round_to_multiple(room, batch_size_multiple)
+        if limit == budget:
+            # Inside a run of equal costs every batch takes exactly `full`.
+            repeats = (run_ends[run] - start) // full
+            if repeats:
+                pieces.append(np.full(repeats, full, dtype=np.int64))
+                start += repeats * full
+                if start == run_ends[run]:
+                    continue
+        # A batch that crosses into longer samples: the largest prefix whose
+        # count times its (growing) last cost stays within the limit.
+        window = unit_sorted[start : start + room]
+        costs = window * np.arange(1, len(window) + 1)
+        count = _round_to_multiple(int(np.searchsorted(costs, limit, side="right")), batch_size_multiple)
+        pieces.append(np.array([count], dtype=np.int64))
+        start += count
+        limit = budget
+    return np.concatenate(pieces) if pieces else np.empty(0, np.int64)
+
+
+def _split_to_multiple(
+    starts: np.ndarray, sizes: np.ndarray, num_replicas: int, batch_size_multiple: int
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """Split the largest batches until their count divides by ``num_replicas``.
+
+    Returns None when there are too few samples to do so.
+    """
+    missing = -len(sizes) % num_replicas
+    if missing == 0:
+        return starts, sizes
+    if int(sizes.sum()) < len(sizes) + missing:
+        return None
+    heap = [(-int(size), int(start)) for start, size in zip(starts, sizes, strict=True)]
+    heapq.heapify(heap)
+    for _ in range(missing):
+        size, start = heapq.heappop(heap)
+        size = -size
+        half = size // 2
+        if half >= batch_size_multiple:  # keep the multiple where the batch allows it
+            half -= half % batch_size_multiple
+        heapq.heappush(heap, (-half, start))
+        heapq.heappush(heap, (-(size - half), start + half))
+    pairs = sorted((start, -size) for size, start in heap)
+    return np.array([p[0] for p in pairs], np.int64), np.array([p[1] for p in pairs], np.int64)
+
+
+def _gather_segments(source: np.ndarray, starts: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+    """``concatenate([source[s:s + n] for s, n in zip(starts, sizes)])`` without the loop."""
+    ends = np.cumsum(sizes)
+    shift = np.repeat(starts - (ends - sizes), sizes)
+    gathered: np.ndarray = source[np.arange(int(ends[-1]) if len(ends) else 0) + shift]
+    return gathered
+
+
+def plan_batches(
+    indices: np.ndarray,
+    keys: np.ndarray,
+    unit: np.ndarray,
+    budget: float,
+    *,
+    rng: np.random.Generator | None,
+    num_replicas: int = 1,
+    max_batch_size: int | None = None,
+    batch_size_multiple: int = 1,
+    drop_last: bool = False,
+    oversize: str = "error",
+) -> Plan:
+    """Plan batches for the samples ``indices`` under ``budget``.
+
+    Args:
+        indices: the sample indices to plan (all of them, or what is left).
+        keys: padded length of every sample in the dataset (sort key).
+        unit: cost of every sample alone, nondecreasing in ``keys``.
+        budget: the most one batch may cost.
+        rng: randomness for tie-breaking, boundaries and step order; None
+            plans in length order with no randomness.
+        num_replicas: batches per global step (ranks).
+        max_batch_size, batch_size_multiple: see :func:`pack_sorted`.
+        drop_last: drop the cheapest batches rather than split batches when
+            the batch count is not a multiple of ``num_replicas``.
+        oversize: ``"error"``, ``"skip"`` or ``"alone"`` for a sample that
+            alone costs more than ``budget``.
+
+    Raises:
+        OversizeSampleError: a sample alone exceeds the budget with
+            ``oversize="error"``.
+        ValueError: too few samples to give every rank the same number of
+            batches and ``drop_last`` is False.
+
+    Example:
+        >>> keys = np.array([5, 1, 5, 1])
+        >>> plan = plan_batches(np.arange(4), keys, keys.astype(float), 10.0, rng=None)
+        >>> [plan.batch(b).tolist() for b in range(plan.num_batches)]
+        [[0, 2], [1, 3]]
+    """
+    indices = np.asarray(indices, dtype=np.int64)
+    sub_unit = unit[indices]
+    too_big = sub_unit > budget
+    skipped = np.empty(0, np.int64)
+    alone = np.empty(0, np.int64)
+    if too_big.any():
+        worst = indices[too_big]
+        if oversize == "error":
+            raise oversize_error(worst, keys, unit, budget)
+        if oversize == "skip":
+            skipped = worst
+        else:
+            alone = worst
+        indices = indices[~too_big]
+
+    if rng is None:
+        order = indices[np.argsort(_small_int(keys[indices]), kind="stable")]
+    else:
+        shuffled = rng.permutation(indices)
+        order = shuffled[np.argsort(_small_int(keys[shuffled]), kind="stable")]
+
+    unit_sorted = unit[order]
+    first_budget = None if rng is None else budget * (0.5 + 0.5 * rng.random())
+    sizes = pack_sorted(
+        unit_sorted,
+        budget,
+        max_batch_size=max_batch_size,
+        batch_size_multiple=batch_size_multiple,
+        first_budget=first_budget,
+    )
+    if len(alone):
+        order = np.concatenate([order, alone])
+        sizes = np.concatenate([sizes, np.ones(len(alone), np.int64)])
+        unit_sorted = unit[order]
+    starts = np.cumsum(sizes) - sizes
+
+    dropped = np.empty(0, np.int64)
+    if len(sizes) % num_replicas:
+        costs = sizes * unit_sorted[starts + sizes - 1]
+        split = None if drop_last else _split_to_multiple(starts, sizes, num_replicas, batch_size_multiple)
+        if split is not None:
+            starts, sizes = split
+        elif drop_last:
+            cheapest = np.argsort(costs, kind="stable")[: len(sizes) % num_replicas]
+            keep = np.ones(len(sizes), bool)
+            keep[cheapest] = False
+            dropped = _gather_segments(order, starts[~keep], sizes[~keep])
+            starts, sizes = starts[keep], sizes[keep]
+        else:
+            raise ValueError(
+                f"cannot give each of num_replicas={num_replicas} ranks the same number of "
+                f"batches: {int(sizes.sum())} samples need {len(sizes)} batches under "
+                f"max_tokens={budget:g}, and splitting them would leave a batch empty; "
+                f"use drop_last=True, a larger max_tokens, or fewer processes"
+            )
+
+    batch_order = _arrange_steps(sizes * unit_sorted[starts + sizes - 1], num_replicas, rng)
+    starts, sizes = starts[batch_order], sizes[batch_order]
+    offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+    return Plan(_gather_segments(order, starts, sizes), offsets, num_replicas, skipped, dropped)
+
+
+def _arrange_steps(costs: np.ndarray, num_replicas: int, rng: np.random.Generator | None) -> np.ndarray:
+    """Order batches into steps of similar cost, costliest step first."""
+    if len(costs) == 0:
+        return np.empty(0, np.int64)
+    by_cost = np.argsort(-costs, kind="stable")
+    steps = by_cost.reshape(-1, num_replicas)  # step 0 holds the costliest batches
+    if rng is not None:
+        rest = 1 + rng.permutation(len(steps) - 1)
+        steps = steps[np.concatenate([[0], rest])]
+        steps = rng.permuted(steps, axis=1)  # which rank gets which batch
+    return steps.reshape(-1)
+
+
+def _small_int(keys: np.ndarray) -> np.ndarray:
+    """Keys in the narrowest integer type, so numpy's stable sort can use radix sort."""
+    if len(keys) and int(keys.max()) <= np.iinfo(np.int16).max:
+        return keys.astype(np.int16)
+    return keys

@@ -1,0 +1,432 @@
+"""``TokenBudgetBatchSampler``: batches that fit a token budget, for a DataLoader."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from torch.utils.data import Sampler
+
+from tokenbatch import _checks, distributed
+from tokenbatch.cost import CostModel
+from tokenbatch.plan import (
+    OVERSIZE_POLICIES,
+    OversizeSampleError,
+    Plan,
+    oversize_error,
+    plan_batches,
+)
+
+logger = logging.getLogger(__name__)
+
+STATE_VERSION = 1
+_STATE_KEYS = {
+    "version",
+    "num_samples",
+    "lengths_digest",
+    "settings",
+    "epoch",
+    "max_tokens",
+    "epoch_max_tokens",
+    "replans",
+    "steps_done",
+}
+
+
+@dataclass(frozen=True)
+class PlanStats:
+    """What an epoch's plan looks like; ``print(sampler.stats())`` to see it."""
+
+    num_samples: int
+    num_batches: int
+    num_steps: int
+    padding_efficiency: float
+    """Real tokens / padded tokens over all batches."""
+    cost_efficiency: float
+    """Sum of each sample's cost alone / sum of batch costs (1.0 = no padding cost)."""
+    mean_budget_use: float
+    """Mean batch cost / budget."""
+    max_budget_use: float
+    """Costliest batch / budget (above 1 only for ``oversize="alone"`` batches)."""
+    mean_batch_size: float
+    max_batch_size: int
+    num_skipped: int
+    num_dropped: int
+
+
+class TokenBudgetBatchSampler(Sampler[list[int]]):
+    """Batches of similar-length samples, each within a memory budget.
+
+    A drop-in for ``DataLoader(dataset, batch_sampler=...)`` that replaces a
+    fixed batch size with ``max_tokens``: a batch may hold any number of
+    samples as long as ``cost(batch_size, longest_length) <= max_tokens``.
+    Samples are grouped by length with random tie-breaks and boundaries, the
+    order of batches is shuffled per (seed, epoch), and the costliest step
+    comes first.
+
+    On several processes it works two ways. By default (``rank=None``) it
+    yields the *global* plan, every rank's batch for step 0, then step 1, ...,
+    with a batch count that is a multiple of the world size: exactly what
+    ``accelerator.prepare``'s ``BatchSamplerShard`` expects, which keeps
+    batches ``rank, rank + W, ...`` on each rank. With an explicit ``rank``
+    it yields only that rank's batches, for plain DDP loops.
+
+    Args:
+        lengths: the padded length of every example, as the collator will pad
+            it (list, numpy array or tensor of ints >= 1).
+        max_tokens: the budget for one batch, in ``cost`` units (padded tokens
+            with the default cost).
+        cost: the memory estimate; ``CostModel()`` counts padded tokens.
+        shuffle: randomise tie-breaks, batch boundaries and batch order.
+        seed: the seed; every rank must use the same one.
+        max_batch_size: an optional cap on samples per batch.
+        batch_size_multiple: round batch sizes down to a multiple of this
+            (for example 8 for tensor cores) where at least that many fit.
+        drop_last: when the batch count is not a multiple of the world size,
+            drop the cheapest batches instead of splitting the largest.
+        oversize: a sample that alone exceeds the budget raises (``"error"``),
+            is left out and counted (``"skip"``), or gets a batch of its own
+            (``"alone"``).
+        num_replicas: the world size; defaults to ``torch.distributed``'s, or
+            ``$WORLD_SIZE``, read when the plan is made.
+        rank: yield only this rank's batches (plain DDP); None yields the
+            global plan (``accelerator.prepare``).
+
+    Example:
+        >>> sampler = TokenBudgetBatchSampler([5, 3, 8, 2, 7, 4], max_tokens=16, seed=1)
+        >>> batches = list(sampler)
+        >>> sorted(i for batch in batches for i in batch)
+        [0, 1, 2, 3, 4, 5]
+        >>> len(batches) == len(sampler)
+        True
+    """
+
+    #: No fixed batch size: tells accelerate the batches are dynamic.
+    batch_size = None
+
+    def __init__(
+        self,
+        lengths: Sequence[int] | np.ndarray | Any,
+        max_tokens: float,
+        *,
+        cost: CostModel | None = None,
+        shuffle: bool = True,
+        seed: int = 0,
+        max_batch_size: int | None = None,
+        batch_size_multiple: int = 1,
+        drop_last: bool = False,
+        oversize: str = "error",
+        num_replicas: int | None = None,
+        rank: int | None = None,
+    ) -> None:
+        self.lengths = _checks.lengths_array(lengths)
+        self.cost = CostModel() if cost is None else cost
+        if not isinstance(self.cost, CostModel):
+            raise TypeError(f"cost should be a tokenbatch.CostModel, but got cost={cost!r}")
+        self.shuffle = bool(shuffle)
+        self.seed = _checks.non_negative_int("seed", seed)
+        self.max_batch_size = (
+            None if max_batch_size is None else _checks.positive_int("max_batch_size", max_batch_size)
+        )
+        self.batch_size_multiple = _checks.positive_int("batch_size_multiple", batch_size_multiple)
+        self.drop_last = bool(drop_last)
+        self.oversize = _checks.one_of("oversize", oversize, OVERSIZE_POLICIES)
+        self._num_replicas = (
+            None if num_replicas is None else _checks.positive_int("num_replicas", num_replicas)
+        )
+        self.rank = None if rank is None else _checks.non_negative_int("rank", rank)
+        if self.rank is not None and self._num_replicas is not None and self.rank >= self._num_replicas:
+            raise ValueError(
+                f"rank should be below num_replicas={self._num_replicas}, but got rank={self.rank}; "
+                f"ranks count from 0"
+            )
+        # Sort keys and per-sample costs are computed once for the dataset.
+        self._keys = np.asarray(self.cost.padded_length(self.lengths), dtype=np.int64)
+        self._unit = self.cost.sample_cost(self._keys)
+        self._max_tokens = _checks.positive_number("max_tokens", max_tokens)
+        if self.oversize == "error" and self._unit.max() > self._max_tokens:
+            too_big = np.flatnonzero(self._unit > self._max_tokens)
+            raise oversize_error(too_big, self._keys, self._unit, self._max_tokens)
+        self._epoch = 0
+        self._epoch_max_tokens = self._max_tokens
+        self._replans: list[tuple[int, float]] = []
+        self._next_start = 0  # step the next __iter__ starts at
+        self._position = 0  # steps handed out so far in this epoch
+        self._generation = 0  # bumped when the plan changes under a running iterator
+        self._cache: tuple[tuple[Any, ...], Plan] | None = None
+        self._digest: str | None = None
+
+    # -- what the plan is --------------------------------------------------------
+
+    @property
+    def num_replicas(self) -> int:
+        """The world size the plan is made for."""
+        if self._num_replicas is not None:
+            return self._num_replicas
+        return distributed.world_size()
+
+    @property
+    def max_tokens(self) -> float:
+        """The budget in force now (after any re-plan)."""
+        return self._max_tokens
+
+    @property
+    def epoch(self) -> int:
+        return self._epoch
+
+    @property
+    def plan(self) -> Plan:
+        """This epoch's global plan, with every re-plan so far applied."""
+        key = (self._epoch, self.num_replicas, self._epoch_max_tokens, tuple(self._replans))
+        if self._cache is None or self._cache[0] != key:
+            self._cache = (key, self._make_plan(self._epoch_max_tokens, self._replans))
+        return self._cache[1]
+
+    def _make_plan(self, epoch_max_tokens: float, replans: list[tuple[int, float]]) -> Plan:
+        world = self.num_replicas
+        if self.rank is not None and self.rank >= world:
+            raise ValueError(
+                f"rank should be below num_replicas={world}, but got rank={self.rank}; ranks count from 0"
+            )
+        plan = self._plan_samples(np.arange(len(self.lengths)), epoch_max_tokens, world, 0)
+        for number, (steps_done, max_tokens) in enumerate(replans, start=1):
+            rest = plan.remaining_after(steps_done)
+            plan = plan.first_steps(steps_done).then(self._plan_samples(rest, max_tokens, world, number))
+        return plan
+
+    def _plan_samples(self, indices: np.ndarray, max_tokens: float, world: int, replan: int) -> Plan:
+        rng = np.random.default_rng([self.seed, self._epoch, replan]) if self.shuffle else None
+        plan = plan_batches(
+            indices,
+            self._keys,
+            self._unit,
+            max_tokens,
+            rng=rng,
+            num_replicas=world,
+            max_batch_size=self.max_batch_size,
+            batch_size_multiple=self.batch_size_multiple,
+            drop_last=self.drop_last,
+            oversize=self.oversize,
+        )
+        if len(plan.skipped) or len(plan.dropped):
+            logger.warning(
+                "epoch %d: left out %d sample(s) that alone exceed max_tokens=%g (oversize='skip') "
+                "and dropped %d to give %d rank(s) equal batches (drop_last=True)",
+                self._epoch,
+                len(plan.skipped),
+                max_tokens,
+                len(plan.dropped),
+                world,
+            )
+        return plan
+
+    def stats(self) -> PlanStats:
+        """Padding efficiency, budget use and batch sizes of this epoch's plan."""
+        plan = self.plan
+        sizes = plan.batch_sizes()
+        if len(sizes) == 0:
+            return PlanStats(
+                len(self.lengths), 0, 0, 0.0, 0.0, 0.0, 0.0, 0.0, 0, len(plan.skipped), len(plan.dropped)
+            )
+        starts = plan.offsets[:-1]
+        longest = np.maximum.reduceat(self._keys[plan.order], starts)
+        batch_costs = sizes * self.cost.sample_cost(longest)
+        budgets = self._budget_per_batch()
+        return PlanStats(
+            num_samples=len(self.lengths),
+            num_batches=plan.num_batches,
+            num_steps=plan.num_steps,
+            padding_efficiency=float(self.lengths[plan.order].sum() / (sizes * longest).sum()),
+            cost_efficiency=float(self._unit[plan.order].sum() / batch_costs.sum()),
+            mean_budget_use=float(np.mean(batch_costs / budgets)),
+            max_budget_use=float(np.max(batch_costs / budgets)),
+            mean_batch_size=float(sizes.mean()),
+            max_batch_size=int(sizes.max()),
+            num_skipped=len(plan.skipped),
+            num_dropped=len(plan.dropped),
+        )
+
+    def _budget_per_batch(self) -> np.ndarray:
+        """The budget each batch of this epoch's plan was made under."""
+        budgets = np.full(self.plan.num_batches, self._epoch_max_tokens)
+        for steps_done, max_tokens in self._replans:
+            budgets[steps_done * self.num_replicas :] = max_tokens
+        return budgets
+
+    # -- iteration ---------------------------------------------------------------
+
+    def __len__(self) -> int:
+        plan = self.plan
+        steps = plan.num_steps - self._next_start
+        return steps if self.rank is not None else steps * plan.num_replicas
+
+    def __iter__(self) -> Iterator[list[int]]:
+        plan = self.plan
+        generation = self._generation
+        start = self._next_start
+        self._position = start
+        world = plan.num_replicas
+        for step in range(start, plan.num_steps):
+            slots = [self.rank] if self.rank is not None else range(world)
+            for slot in slots:
+                if self._generation != generation:
+                    return  # the plan changed (re-plan, new epoch, resume): stop this pass
+                yield plan.batch(step * world + slot).tolist()
+            self._position = step + 1
+        if self._generation == generation:
+            self._next_start = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start epoch ``epoch`` (a new plan); the current epoch again is a no-op.
+
+        Call it before each epoch, as with ``DistributedSampler``. Setting the
+        epoch the sampler is already in keeps a resumed position and any re-plan.
+        """
+        epoch = _checks.non_negative_int("epoch", epoch)
+        if epoch == self._epoch:
+            return
+        self._epoch = epoch
+        self._epoch_max_tokens = self._max_tokens
+        self._replans = []
+        self._next_start = self._position = 0
+        self._generation += 1
+
+    def replan(self, max_tokens: float, *, steps_done: int) -> None:
+        """Change the budget and re-plan every sample after the first ``steps_done`` steps.
+
+        The first ``steps_done`` global steps of this epoch stay as they were
+        (they have been trained on); everything after them, including any
+        batch already fetched but not trained, is planned again under the new
+        budget. The next iteration starts at step ``steps_done`` of the new
+        plan, and later epochs keep the new budget. A running iterator stops.
+
+        Raises:
+            OversizeSampleError: a remaining sample alone exceeds the new budget
+                (with ``oversize="error"``); the sampler is left unchanged.
+        """
+        max_tokens = _checks.positive_number("max_tokens", max_tokens)
+        steps_done = _checks.non_negative_int("steps_done", steps_done)
+        if steps_done > self.plan.num_steps:
+            raise ValueError(
+                f"steps_done should be at most the {self.plan.num_steps} steps of epoch "
+                f"{self._epoch}, but got steps_done={steps_done}"
+            )
+        replans = [*self._replans, (steps_done, max_tokens)]
+        plan = self._make_plan(self._epoch_max_tokens, replans)  # raises before changing anything
+        self._replans = replans
+        self._cache = ((self._epoch, self.num_replicas, self._epoch_max_tokens, tuple(replans)), plan)
+        self._max_tokens = max_tokens
+        self._next_start = self._position = steps_done
+        self._generation += 1
+        logger.info(
+            "epoch %d: re-planned from step %d under max_tokens=%g", self._epoch, steps_done, max_tokens
+        )
+
+    # -- checkpointing -----------------------------------------------------------
+
+    def _settings(self) -> dict[str, Any]:
+        return {
+            "cost": [
+                self.cost.linear,
+                self.cost.quadratic,
+                self.cost.per_sample,
+                self.cost.pad_to_multiple_of,
+            ],
+            "shuffle": self.shuffle,
+            "seed": self.seed,
+            "max_batch_size": self.max_batch_size,
+            "batch_size_multiple": self.batch_size_multiple,
+            "drop_last": self.drop_last,
+            "oversize": self.oversize,
+            "num_replicas": self.num_replicas,
+            "rank": self.rank,
+        }
+
+    def _lengths_digest(self) -> str:
+        if self._digest is None:
+            self._digest = hashlib.blake2b(self.lengths.tobytes(), digest_size=16).hexdigest()
+        return self._digest
+
+    def state_dict(self, *, steps_done: int | None = None) -> dict[str, Any]:
+        """Everything needed to resume this epoch at the same sample with the same budget.
+
+        Args:
+            steps_done: steps trained so far in this epoch. Defaults to the
+                steps this sampler has handed out, which runs ahead of training
+                when the DataLoader prefetches; pass the true count when you have it.
+        """
+        position = (
+            self._position if steps_done is None else _checks.non_negative_int("steps_done", steps_done)
+        )
+        return {
+            "version": STATE_VERSION,
+            "num_samples": len(self.lengths),
+            "lengths_digest": self._lengths_digest(),
+            "settings": self._settings(),
+            "epoch": self._epoch,
+            "max_tokens": self._max_tokens,
+            "epoch_max_tokens": self._epoch_max_tokens,
+            "replans": [list(r) for r in self._replans],
+            "steps_done": position,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume from :meth:`state_dict`: the next iteration yields exactly the batches not yet done.
+
+        Raises:
+            ValueError: the state is from another version, dataset or settings.
+        """
+        if not isinstance(state, dict):
+            raise TypeError(f"state should be a dict from state_dict(), but got {type(state).__name__}")
+        unknown = set(state) - _STATE_KEYS
+        missing = _STATE_KEYS - set(state)
+        if unknown or missing:
+            raise ValueError(
+                f"state is not a TokenBudgetBatchSampler state_dict: unknown keys {sorted(unknown)}, "
+                f"missing keys {sorted(missing)}"
+            )
+        if state["version"] != STATE_VERSION:
+            raise ValueError(
+                f"state has version={state['version']!r}, but this tokenbatch reads version "
+                f"{STATE_VERSION}; resume with the tokenbatch that saved it"
+            )
+        if state["num_samples"] != len(self.lengths) or state["lengths_digest"] != self._lengths_digest():
+            raise ValueError(
+                f"state was saved for a different dataset ({state['num_samples']} samples, lengths "
+                f"digest {state['lengths_digest']}) than this sampler's ({len(self.lengths)} samples, "
+                f"digest {self._lengths_digest()}); build the sampler from the same lengths"
+            )
+        saved = dict(state["settings"])
+        ours = self._settings()
+        if saved != ours:
+            diff = {
+                k: (saved.get(k), ours.get(k)) for k in set(saved) | set(ours) if saved.get(k) != ours.get(k)
+            }
+            changes = ", ".join(f"{k}: saved {a!r}, now {b!r}" for k, (a, b) in sorted(diff.items()))
+            raise ValueError(
+                f"state was saved with different sampler settings ({changes}); "
+                f"build the sampler with the saved settings to resume"
+            )
+        replans = [(int(s), float(t)) for s, t in state["replans"]]
+        epoch_max_tokens = _checks.positive_number("epoch_max_tokens", state["epoch_max_tokens"])
+        steps_done = _checks.non_negative_int("steps_done", state["steps_done"])
+        epoch = _checks.non_negative_int("epoch", state["epoch"])
+        previous = (self._epoch, self._epoch_max_tokens, self._replans)
+        self._epoch, self._epoch_max_tokens, self._replans = epoch, epoch_max_tokens, replans
+        try:
+            num_steps = self.plan.num_steps
+        except (ValueError, OversizeSampleError):
+            self._epoch, self._epoch_max_tokens, self._replans = previous
+            raise
+        if steps_done > num_steps:
+            self._epoch, self._epoch_max_tokens, self._replans = previous
+            raise ValueError(
+                f"state has steps_done={steps_done}, more than the {num_steps} steps of its epoch"
+            )
+        self._max_tokens = _checks.positive_number("max_tokens", state["max_tokens"])
+        self._next_start = self._position = steps_done
+        self._generation += 1
