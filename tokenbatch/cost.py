@@ -31,7 +31,7 @@ class CostModel:
         >>> CostModel().cost(8, 100)  # 8 sequences padded to 100 tokens
         800.0
         >>> CostModel(quadratic=1 / 1024, pad_to_multiple_of=8).cost(2, 1020)
-        4080.0
+        4096.0
     """
 
     linear: float = 1.0

