@@ -1,6 +1,7 @@
 """tokenbatch: length-aware dynamic batching under a token budget, with an OOM fallback."""
 
 from tokenbatch.cost import CostModel
+from tokenbatch.lengths import column_lengths, text_lengths
 from tokenbatch.plan import OversizeSampleError
 from tokenbatch.sampler import PlanStats, TokenBudgetBatchSampler
 
@@ -12,4 +13,6 @@ __all__ = [
     "PlanStats",
     "TokenBudgetBatchSampler",
     "__version__",
+    "column_lengths",
+    "text_lengths",
 ]
