@@ -26,7 +26,7 @@ import math
 import os
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
@@ -66,9 +66,10 @@ class ProbeResult:
     """Steps the fit used, or every step the search tried."""
     checks: tuple[Measurement, ...] = ()
     """Steps at the suggested budget, not used by the fit: held out."""
+    steps: int = 0
+    """Training steps the probe measured (the warm-up step not counted)."""
     seconds: float = 0.0
     device: str = "cpu"
-    notes: tuple[str, ...] = field(default=())
 
     def predicted_bytes(self, batch_size: int, length: int) -> float | None:
         """The fitted peak for a shape, or None without a fit."""
@@ -129,6 +130,7 @@ class _Prober:
     def __init__(self, runner: StepRunner, target: float, progress: bool) -> None:
         self.runner, self.target = runner, target
         self.bar: Any = None
+        self.steps = 0
         if progress:
             try:
                 from tqdm.auto import tqdm
@@ -140,6 +142,7 @@ class _Prober:
     def measure(self, batch_size: int, length: int) -> Measurement:
         start = time.perf_counter()
         peak = self.runner.run(batch_size, length)
+        self.steps += 1
         m = Measurement(
             batch_size=batch_size,
             length=length,
@@ -197,11 +200,12 @@ def _fit_budget(
         if m.forward_backward_bytes - idle >= 0.5 * room or batch >= 2**24:
             break
         batch *= 2
-    ok = [m for m in pilot if not m.oom]
-    last = ok[-1]
+    last = [m for m in pilot if not m.oom][-1]
     per_sequence = max((last.forward_backward_bytes - idle) / last.batch_size, 1.0)
+    if pilot[-1].oom:  # the device holds less than memory_limit says
+        room = min(room, per_sequence * pilot[-1].batch_size)
     # Small steps are dominated by gradients that the end of backward allocates; fit the big ones.
-    measured = [m for m in pilot if not m.oom and m.forward_backward_bytes - idle >= 0.2 * room]
+    measured = [m for m in pilot if m.oom or m.forward_backward_bytes - idle >= 0.2 * room]
     # At shorter lengths, batches filling about half and all of the room if memory grew linearly
     # with length (an overestimate of the batch only when per-sequence terms dominate).
     for length in _lengths_between(min_len, max_len, 4)[:-1]:
@@ -209,28 +213,36 @@ def _fit_budget(
         for fraction in (0.5, 0.95):
             size = max(1, int(full * fraction))
             m = prober.measure(size, length)
+            measured.append(m)
             while m.oom and size > 1:
                 size //= 2
                 m = prober.measure(size, length)
-            measured.append(m)
+                measured.append(m)
     fitted = fit_memory(measured, pad_to_multiple_of=pad)
-    budget = fitted.budget(memory_limit, margin=margin)
-    # The worst batches the budget allows (longest, middle, shortest sequences), held out from the
-    # fit; if any measures above the target, shrink the budget in proportion and check again.
     cost = fitted.cost_model()
+    # A step that ran out of memory bounds what the device holds by its predicted peak.
+    limit = min([memory_limit] + [fitted.predict(m.batch_size, m.length) for m in measured if m.oom])
+    budget = fitted.budget(limit, margin=margin)
+    # The worst batches the budget allows (longest, middle, shortest sequences), held out from the
+    # fit; if one runs out of memory or measures above the target, lower the budget and check again.
     checks: list[Measurement] = []
-    for _ in range(4):
+    for _ in range(8):
         checks = [
             prober.measure(int(budget // float(cost.sample_cost(length))), length)
             for length in _check_lengths(min_len, max_len)
             if budget >= float(cost.sample_cost(length))
         ]
-        worst = max(fitted.constant + 2 * budget if c.oom else c.peak_bytes for c in checks)
+        if any(c.oom for c in checks):
+            limit = min([limit] + [fitted.predict(c.batch_size, c.length) for c in checks if c.oom])
+            budget = min(0.99 * budget, fitted.budget(limit, margin=margin))
+            continue
+        target = limit * (1 - margin)
+        worst = max(c.peak_bytes for c in checks)
         if worst <= target:
             break
         budget *= 0.99 * (target - fitted.constant) / (worst - fitted.constant)
     else:
-        logger.warning("the probe's budget still measured above the target after 4 corrections")
+        logger.warning("the probe's budget still failed its checks after 8 corrections")
     return fitted, budget, measured, checks
 
 
@@ -391,6 +403,7 @@ def find_max_tokens(
         fit=fitted,
         measurements=tuple(measured),
         checks=tuple(checks),
+        steps=prober.steps,
         seconds=time.perf_counter() - start,
         device=str(runner.device),
     )

@@ -86,11 +86,33 @@ def main() -> None:
         if not is_oom(error):
             raise
         resource.setrlimit(resource.RLIMIT_AS, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
-        print(json.dumps({"ok": False, "oom": True, "steps": done, "error": str(error)[:200],
-                          "max_batch_cost": max(costs), "base_vmsize": base, "held": held}))
+        print(
+            json.dumps(
+                {
+                    "ok": False,
+                    "oom": True,
+                    "steps": done,
+                    "error": str(error)[:200],
+                    "max_batch_cost": max(costs),
+                    "base_vmsize": base,
+                    "held": held,
+                }
+            )
+        )
         return
-    print(json.dumps({"ok": True, "oom": False, "steps": done, "max_batch_cost": max(costs),
-                      "base_vmsize": base, "held": held, "peak_vmsize_growth": 0}))
+    print(
+        json.dumps(
+            {
+                "ok": True,
+                "oom": False,
+                "steps": done,
+                "max_batch_cost": max(costs),
+                "base_vmsize": base,
+                "held": held,
+                "peak_vmsize_growth": 0,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":
