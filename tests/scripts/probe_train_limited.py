@@ -29,12 +29,13 @@ import sys
 import torch
 
 
-def vm_size() -> int:
+def vm_status(field: str) -> int:
+    """A ``Vm*`` line of /proc/self/status (VmSize, VmPeak), in bytes."""
     with open("/proc/self/status") as handle:
         for line in handle:
-            if line.startswith("VmSize:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmSize in /proc/self/status")
+    raise RuntimeError(f"no {field} in /proc/self/status")
 
 
 def main() -> None:
@@ -71,48 +72,27 @@ def main() -> None:
 
     step([0])  # warm-up: optimizer state, kernels
     held = held_bytes(model, optimizer)
-    base = vm_size()
+    base = vm_status("VmSize")
     allowed = base + spec["memory_limit"] - held
     resource.setrlimit(resource.RLIMIT_AS, (allowed, resource.RLIM_INFINITY))
-    done, costs = 0, []
+    report = {"ok": True, "oom": False, "steps": 0, "base_vmsize": base, "held": held, "error": None}
+    costs = []
     try:
         for indices in sampler:
             costs.append(sampler.cost.cost(len(indices), max(lengths[i] for i in indices)))
             step(indices)
-            done += 1
-            if done >= spec["max_steps"]:
+            report["steps"] += 1
+            if report["steps"] >= spec["max_steps"]:
                 break
     except Exception as error:
         if not is_oom(error):
             raise
-        resource.setrlimit(resource.RLIMIT_AS, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
-        print(
-            json.dumps(
-                {
-                    "ok": False,
-                    "oom": True,
-                    "steps": done,
-                    "error": str(error)[:200],
-                    "max_batch_cost": max(costs),
-                    "base_vmsize": base,
-                    "held": held,
-                }
-            )
-        )
-        return
-    print(
-        json.dumps(
-            {
-                "ok": True,
-                "oom": False,
-                "steps": done,
-                "max_batch_cost": max(costs),
-                "base_vmsize": base,
-                "held": held,
-                "peak_vmsize_growth": 0,
-            }
-        )
+        report.update(ok=False, oom=True, error=str(error)[:300])
+    resource.setrlimit(resource.RLIMIT_AS, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+    report.update(
+        max_batch_cost=max(costs), allowed_growth=allowed - base, peak_growth=vm_status("VmPeak") - base
     )
+    print(json.dumps(report))
 
 
 if __name__ == "__main__":
