@@ -3,6 +3,7 @@
 from tokenbatch.cost import CostModel
 from tokenbatch.lengths import column_lengths, text_lengths
 from tokenbatch.plan import OversizeSampleError
+from tokenbatch.probe import ProbeResult, find_max_tokens
 from tokenbatch.sampler import PlanStats, TokenBudgetBatchSampler
 
 __version__ = "0.1.0"
@@ -11,8 +12,10 @@ __all__ = [
     "CostModel",
     "OversizeSampleError",
     "PlanStats",
+    "ProbeResult",
     "TokenBudgetBatchSampler",
     "__version__",
     "column_lengths",
+    "find_max_tokens",
     "text_lengths",
 ]
