@@ -15,6 +15,15 @@ How peak memory is measured:
   allocator (the interpreter, libraries, glibc's own fragmentation) is not
   counted; the probe's safety margin is there for it.
 
+On CPU, what the operating system sees can be well above the tensor bytes:
+glibc's malloc serves blocks below its sliding mmap threshold (up to 32 MiB)
+from a heap that it rarely gives back, so freed activations leave holes. In
+``benchmarks/probe.py`` a tiny BERT under ``RLIMIT_AS`` fitted only about 0.63
+of the probe's budget with glibc's defaults, and 1.07 of it (the margin at
+work) with ``MALLOC_MMAP_THRESHOLD_=65536``, which gives every tensor of 64
+KiB or more its own mapping, returned when freed. Train on CPU with that
+setting (or jemalloc / tcmalloc), or raise ``margin``.
+
 Each step is measured in two phases, forward + backward and then optimizer
 step + ``zero_grad``, because their peaks behave differently: the first grows
 with the batch, the second is a constant (gradients plus optimizer state)

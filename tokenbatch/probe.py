@@ -16,12 +16,16 @@ How memory is measured (CUDA allocator statistics, the torch profiler's
 memory accounting on CPU) is explained in :mod:`tokenbatch._probe_step`. The
 model, the optimizer and every random number generator are restored
 afterwards, whatever happens. Probe the bare model in one process (not a
-DDP-wrapped one).
+DDP-wrapped one); the budget is per device.
+
+Typical use, before building the sampler::
+
+    result = find_max_tokens(model, lengths=lengths, memory_limit=8 * 2**30)
+    sampler = TokenBudgetBatchSampler(lengths, result.max_tokens, cost=result.cost)
 """
 
 from __future__ import annotations
 
-import logging
 import math
 import os
 import time
@@ -34,12 +38,11 @@ import torch
 
 from tokenbatch import _checks
 from tokenbatch._fit import Measurement, MemoryFit, fit_memory
+from tokenbatch._probe_search import Prober, fit_budget, search_budget, search_cost
 from tokenbatch._probe_step import LossFn, MakeBatch, StepRunner, held_bytes, model_device, preserved
 from tokenbatch.cost import CostModel
 
 __all__ = ["Measurement", "MemoryFit", "ProbeResult", "find_max_tokens", "fit_memory", "measure_peak"]
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -124,182 +127,6 @@ def default_memory_limit(model: torch.nn.Module, optimizer: torch.optim.Optimize
     return int(available + held_bytes(model, optimizer))
 
 
-class _Prober:
-    """Measures steps, records them and drives the progress bar."""
-
-    def __init__(self, runner: StepRunner, target: float, progress: bool) -> None:
-        self.runner, self.target = runner, target
-        self.bar: Any = None
-        self.steps = 0
-        if progress:
-            try:
-                from tqdm.auto import tqdm
-
-                self.bar = tqdm(desc="tokenbatch probe", unit="step")
-            except ImportError:
-                logger.info("install tqdm for a progress bar")
-
-    def measure(self, batch_size: int, length: int) -> Measurement:
-        start = time.perf_counter()
-        peak = self.runner.run(batch_size, length)
-        self.steps += 1
-        m = Measurement(
-            batch_size=batch_size,
-            length=length,
-            peak_bytes=0 if peak.oom else max(peak.forward_backward, peak.optimizer_step),
-            forward_backward_bytes=peak.forward_backward,
-            optimizer_step_bytes=peak.optimizer_step,
-            oom=peak.oom,
-            seconds=time.perf_counter() - start,
-        )
-        if self.bar is not None:
-            self.bar.update(1)
-            status = "OOM" if m.oom else f"{m.peak_bytes / 2**20:,.0f}MiB"
-            self.bar.set_postfix_str(f"{batch_size}x{length}: {status}")
-        logger.debug("probe step %dx%d: %s", batch_size, length, m)
-        return m
-
-    def fits(self, m: Measurement) -> bool:
-        return not m.oom and m.peak_bytes <= self.target
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-
-
-def _lengths_between(min_len: int, max_len: int, count: int) -> list[int]:
-    grid = np.geomspace(min_len, max_len, count) if max_len > min_len else np.array([max_len])
-    return sorted({round(float(x)) for x in grid})
-
-
-def _fit_budget(
-    prober: _Prober, *, min_len: int, max_len: int, pad: int, memory_limit: float, margin: float
-) -> tuple[MemoryFit, float, list[Measurement], list[Measurement]]:
-    """Measure a grid near the limit, fit, check the budget on held-out worst cases; budget in bytes."""
-    target, runner = prober.target, prober.runner
-    idle = (
-        torch.cuda.memory_allocated(runner.device)
-        if runner.device.type == "cuda"
-        else held_bytes(runner.model, runner.optimizer)
-    )
-    room = target - idle
-    # Pilot: double the batch of longest sequences until it fills half the room.
-    pilot: list[Measurement] = []
-    batch = 1
-    while True:
-        m = prober.measure(batch, max_len)
-        pilot.append(m)
-        if not prober.fits(m):
-            if batch == 1:
-                found = "out of memory" if m.oom else f"{m.peak_bytes:,} bytes"
-                raise ValueError(
-                    f"one sequence of max_len={max_len} tokens does not fit under {target:,.0f} bytes "
-                    f"({found}); lower max_len (truncate) or raise memory_limit"
-                )
-            break
-        if m.forward_backward_bytes - idle >= 0.5 * room or batch >= 2**24:
-            break
-        batch *= 2
-    last = [m for m in pilot if not m.oom][-1]
-    per_sequence = max((last.forward_backward_bytes - idle) / last.batch_size, 1.0)
-    if pilot[-1].oom:  # the device holds less than memory_limit says
-        room = min(room, per_sequence * pilot[-1].batch_size)
-    # Small steps are dominated by gradients that the end of backward allocates; fit the big ones.
-    measured = [m for m in pilot if m.oom or m.forward_backward_bytes - idle >= 0.2 * room]
-    # At shorter lengths, batches filling about half and all of the room if memory grew linearly
-    # with length (an overestimate of the batch only when per-sequence terms dominate).
-    for length in _lengths_between(min_len, max_len, 4)[:-1]:
-        full = room / (per_sequence * length / max_len)
-        for fraction in (0.5, 0.95):
-            size = max(1, int(full * fraction))
-            m = prober.measure(size, length)
-            measured.append(m)
-            while m.oom and size > 1:
-                size //= 2
-                m = prober.measure(size, length)
-                measured.append(m)
-    fitted = fit_memory(measured, pad_to_multiple_of=pad)
-    cost = fitted.cost_model()
-    # A step that ran out of memory bounds what the device holds by its predicted peak.
-    limit = min([memory_limit] + [fitted.predict(m.batch_size, m.length) for m in measured if m.oom])
-    budget = fitted.budget(limit, margin=margin)
-    # The worst batches the budget allows (longest, middle, shortest sequences), held out from the
-    # fit; if one runs out of memory or measures above the target, lower the budget and check again.
-    checks: list[Measurement] = []
-    for _ in range(8):
-        checks = [
-            prober.measure(int(budget // float(cost.sample_cost(length))), length)
-            for length in _check_lengths(min_len, max_len)
-            if budget >= float(cost.sample_cost(length))
-        ]
-        if any(c.oom for c in checks):
-            limit = min([limit] + [fitted.predict(c.batch_size, c.length) for c in checks if c.oom])
-            budget = min(0.99 * budget, fitted.budget(limit, margin=margin))
-            continue
-        target = limit * (1 - margin)
-        worst = max(c.peak_bytes for c in checks)
-        if worst <= target:
-            break
-        budget *= 0.99 * (target - fitted.constant) / (worst - fitted.constant)
-    else:
-        logger.warning("the probe's budget still failed its checks after 8 corrections")
-    return fitted, budget, measured, checks
-
-
-def _check_lengths(min_len: int, max_len: int) -> list[int]:
-    grid = _lengths_between(min_len, max_len, 3)
-    return sorted({max_len, grid[len(grid) // 2], min_len}, reverse=True)
-
-
-def _search_budget(
-    prober: _Prober, cost: CostModel, *, min_len: int, max_len: int, tolerance: float
-) -> tuple[float, list[Measurement]]:
-    """Double the budget until a worst-case batch does not fit, then bisect; budget in cost units."""
-    tried: list[Measurement] = []
-
-    def fits(budget: float) -> bool:
-        for length in _check_lengths(min_len, max_len):
-            size = int(budget // float(cost.sample_cost(length)))
-            if size < 1:
-                continue
-            m = prober.measure(size, length)
-            tried.append(m)
-            if not prober.fits(m):
-                return False
-        return True
-
-    low = float(cost.sample_cost(max_len))
-    if not fits(low):
-        raise ValueError(
-            f"one sequence of max_len={max_len} tokens does not fit under {prober.target:,.0f} bytes; "
-            f"lower max_len (truncate) or raise memory_limit"
-        )
-    high = 2 * low
-    while fits(high):
-        low, high = high, 2 * high
-        if high > 2**60:
-            raise ValueError("the budget kept doubling without running out of memory; set memory_limit")
-    while high / low > 1 + tolerance:
-        middle = math.sqrt(low * high)
-        if fits(middle):
-            low = middle
-        else:
-            high = middle
-    return low, tried
-
-
-def _search_cost(model: torch.nn.Module, pad: int) -> CostModel:
-    """The analytic cost from ``model.config`` in token units, else plain padded tokens."""
-    config = getattr(model, "config", None)
-    device = model_device(model)
-    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
-    try:
-        estimate = CostModel.from_config(config, dtype=dtype, device=device.type, pad_to_multiple_of=pad)
-    except (AttributeError, TypeError, ValueError):
-        return CostModel(pad_to_multiple_of=pad)
-    return CostModel(1.0, estimate.quadratic / estimate.linear, estimate.per_sample / estimate.linear, pad)
-
-
 def _resolve_lengths(max_len: int | None, lengths: Any, min_len: int | None) -> tuple[int, int]:
     if lengths is not None:
         array = _checks.lengths_array(lengths)
@@ -377,18 +204,18 @@ def find_max_tokens(
         runner.run(1, min_len)  # warm-up: optimizer state, kernels and workspaces exist from here on
         limit = float(memory_limit) if memory_limit is not None else default_memory_limit(model, optimizer)
         limit = _checks.positive_number("memory_limit", limit)
-        prober = _Prober(runner, limit * (1 - margin), progress)
+        prober = Prober(runner, limit * (1 - margin), progress)
         try:
             if method == "fit":
-                fitted, budget, measured, checks = _fit_budget(
+                fitted, budget, measured, checks = fit_budget(
                     prober, min_len=min_len, max_len=max_len, pad=pad, memory_limit=limit, margin=margin
                 )
                 result_cost = fitted.token_cost()
                 max_tokens = budget / fitted.linear if fitted.linear > 0 else budget
             else:
-                result_cost = cost if cost is not None else _search_cost(model, pad)
+                result_cost = cost if cost is not None else search_cost(model, pad)
                 fitted, checks = None, []
-                max_tokens, measured = _search_budget(
+                max_tokens, measured = search_budget(
                     prober, result_cost, min_len=min_len, max_len=max_len, tolerance=tolerance
                 )
         finally:
@@ -433,4 +260,4 @@ def measure_peak(
         runner = StepRunner(model, optimizer, make_batch=make_batch, loss_fn=loss_fn)
         if warmup:
             runner.run(1, min(length, 8))
-        return _Prober(runner, math.inf, progress=False).measure(batch_size, length)
+        return Prober(runner, math.inf, progress=False).measure(batch_size, length)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 from typing import Any
@@ -170,6 +171,12 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.write("\n")
     else:
         print(_report(result, args, model, task))
+        if result.device == "cpu" and "MALLOC_MMAP_THRESHOLD_" not in os.environ:
+            print(
+                "\nnote: on CPU the limit is on PyTorch's tensor bytes; glibc's malloc can hold much more "
+                "address space unless training runs with MALLOC_MMAP_THRESHOLD_=65536 "
+                "(see tokenbatch._probe_step)"
+            )
         if cache_entry is not None:
             print(f"\nwrote max_tokens to {cache_entry['path']} under {cache_entry['key']!r}")
     return 0
