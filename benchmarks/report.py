@@ -1,0 +1,346 @@
+"""Plots and ``RESULTS.md`` from the per-benchmark results: ``python -m benchmarks.report``.
+
+Reads ``<name>.json`` and ``<name>.md`` from the results folder, draws PNGs
+beside them (matplotlib, Agg backend) and writes one Markdown page: a header
+(machine, commands, how to reproduce), then a section per benchmark with a
+short reading of its numbers, its plots and its tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from benchmarks import common
+
+MODULES = ("padding", "planning", "training", "oom_recovery", "probe", "gpu")
+TITLES = {
+    "padding": "Padding and steps",
+    "planning": "Planning speed",
+    "training": "Training throughput (CPU)",
+    "oom_recovery": "OOM recovery",
+    "probe": "Budget probe",
+    "gpu": "GPU",
+}
+METHOD_STYLE = {
+    "tokenbatch": ("tab:blue", "o"),
+    "sorted_greedy": ("black", "x"),
+    "length_grouped": ("tab:orange", "s"),
+    "random_fixed": ("tab:red", "^"),
+}
+
+
+def _pyplot() -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_padding(data: dict[str, Any], out: Path) -> list[str]:
+    """Efficiency and steps / lower bound versus budget, one panel per data set and cost (1 process)."""
+    plt = _pyplot()
+    rows = [r for r in data["rows"] if r["processes"] == 1]
+    panels = sorted(
+        {(r["dataset"], r["cost"]) for r in rows}, key=lambda p: (list(data["datasets"]).index(p[0]), p[1])
+    )
+    written = []
+    for metric, label, name in (
+        ("efficiency", "padding efficiency (real / padded cost)", "padding_efficiency.png"),
+        ("steps_over_lower_bound", "steps / lower bound (log)", "padding_steps.png"),
+    ):
+        columns = min(4, len(panels))
+        lines = -(-len(panels) // columns)
+        fig, axes = plt.subplots(lines, columns, figsize=(4 * columns, 3.3 * lines), squeeze=False)
+        for ax, (dataset, cost) in zip(axes.flat, panels, strict=False):
+            for method, (color, marker) in METHOD_STYLE.items():
+                points = sorted(
+                    (r["budget"], r[metric])
+                    for r in rows
+                    if (r["dataset"], r["cost"], r["method"]) == (dataset, cost, method)
+                )
+                if points:
+                    ax.plot(*zip(*points, strict=True), color=color, marker=marker, label=method)
+            ax.set_xscale("log", base=2)
+            if metric == "steps_over_lower_bound":
+                ax.set_yscale("log")
+            else:
+                ax.set_ylim(0, 1.02)
+            ax.set_title(f"{dataset}, {cost} cost", fontsize=10)
+            ax.set_xlabel("budget (max_tokens)")
+            ax.grid(alpha=0.3)
+        for ax in axes.flat[len(panels) :]:
+            ax.axis("off")
+        axes[0][0].set_ylabel(label)
+        axes[0][0].legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=90)
+        plt.close(fig)
+        written.append(name)
+    return written
+
+
+def plot_planning(data: dict[str, Any], out: Path) -> list[str]:
+    """Planning time versus N on log axes, with numpy.argsort beside it."""
+    plt = _pyplot()
+    rows = data["rows"]
+    n = [r["n"] for r in rows]
+    fig, ax = plt.subplots(figsize=(5.5, 4))
+    for key, label, style in (
+        ("first_plan_s", "sampler built + first plan", "o-"),
+        ("epoch_plan_s", "each later epoch's plan", "s-"),
+        ("argsort_s", "numpy.argsort (same array)", "x--"),
+    ):
+        ax.plot(n, [r[key] for r in rows], style, label=label)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("number of lengths N")
+    ax.set_ylabel("seconds (median)")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "planning_time.png", dpi=90)
+    plt.close(fig)
+    return ["planning_time.png"]
+
+
+def plot_training(data: dict[str, Any], out: Path, name: str) -> list[str]:
+    """Real tokens per second per method, from any rows that carry a ``*tokens_per_s`` value."""
+    rows = data.get("rows")
+    if not isinstance(rows, list):
+        return []
+    bars = []
+    for row in rows:
+        if not isinstance(row, dict):
+            continue
+        key = next((k for k in row if "tokens_per_s" in k and isinstance(row[k], int | float)), None)
+        if key is None:
+            continue
+        label = str(row.get("method", "?"))
+        if "processes" in row:
+            label += f" ({row['processes']}p)"
+        bars.append((label, float(row[key])))
+    if not bars:
+        return []
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(max(5.0, 1.2 * len(bars)), 4))
+    ax.bar([b[0] for b in bars], [b[1] for b in bars], color="tab:blue")
+    ax.set_ylabel("real tokens per second")
+    ax.tick_params(axis="x", rotation=30, labelsize=8)
+    fig.tight_layout()
+    file = f"{name}_tokens_per_s.png"
+    fig.savefig(out / file, dpi=90)
+    plt.close(fig)
+    return [file]
+
+
+PLOTTERS = {"padding": plot_padding, "planning": plot_planning}
+
+
+# -- short readings of the numbers, written from the numbers so they stay true on a re-run --
+
+
+def _span(rows: list[dict[str, Any]], method: str, key: str) -> str:
+    values = [r[key] for r in rows if r["method"] == method]
+    return f"{min(values):.3g}..{max(values):.3g}" if values else "n/a"
+
+
+def read_padding(data: dict[str, Any]) -> str:
+    rows = data["rows"]
+    one = [r for r in rows if r["processes"] == 1]
+    two = [r for r in rows if r["processes"] == 2]
+
+    def span1(method: str, key: str) -> str:
+        return _span(one, method, key)
+
+    def span2(method: str, key: str) -> str:
+        return _span(two, method, key)
+
+    lines = []
+    synthetic = [name for name, d in data["datasets"].items() if d["source"].startswith("SYNTHETIC")]
+    if synthetic:
+        lines.append(f"**No real data was found: {', '.join(synthetic)} are synthetic stand-ins.**\n")
+    for t in data["targets"]:
+        lower, fewest = t["lower_bound_steps"], t["fewest_possible_steps"]
+        verdict = "met" if t["efficiency_met"] and t["steps_met"] else "NOT met"
+        text = (
+            f"- Target {t['target']}: {verdict}. Efficiency {t['tokenbatch_efficiency']:.4f} "
+            f"(need >= {t['min_efficiency']}; sorted greedy {t['sorted_greedy_efficiency']:.4f}); "
+            f"{t['tokenbatch_steps']:g} steps = {t['tokenbatch_steps_over_lower_bound']:.4f} x the lower "
+            f"bound of {lower:.2f} (need <= {t['max_steps_over_lower_bound']})."
+        )
+        if fewest / lower > t["max_steps_over_lower_bound"]:
+            text += (
+                f" No batching can meet the steps target here: the sorted greedy pass needs {fewest:g} "
+                f"batches, and it uses the fewest possible (an exchange argument: some optimal batching "
+                f"takes the longest samples together, and greedy is optimal along a sorted order), "
+                f"so the best reachable ratio is {fewest / lower:.4f}."
+            )
+        lines.append(text)
+    greedy = {(r["dataset"], r["cost"], r["budget"]): r for r in one if r["method"] == "sorted_greedy"}
+    ours = [r for r in one if r["method"] == "tokenbatch"]
+    lines.append(
+        f"- Over every data set, cost and budget (1 process), padding efficiency is "
+        f"{span1('tokenbatch', 'efficiency')} for tokenbatch and {span1('sorted_greedy', 'efficiency')} "
+        f"for the sorted greedy reference, against {span1('length_grouped', 'efficiency')} for "
+        f"LengthGroupedSampler and {span1('random_fixed', 'efficiency')} for random fixed batches. "
+        f"Steps / lower bound: tokenbatch {span1('tokenbatch', 'steps_over_lower_bound')}, "
+        f"LengthGroupedSampler and random fixed batches {span1('random_fixed', 'steps_over_lower_bound')}: "
+        f"a fixed batch size sized for the longest sample leaves most of the budget unused "
+        f"(mean budget use {span1('length_grouped', 'mean_budget_use')} for LengthGroupedSampler)."
+    )
+    ones = sorted({f"{r['dataset']}/{r['cost']}/{r['budget']}" for r in one if r["batch_size"] == 1})
+    if ones:
+        lines.append(
+            f"- Where the longest sample forces a fixed batch size of 1 ({', '.join(ones)}), the fixed-size "
+            f"methods pad nothing (efficiency 1) but take one step per sample."
+        )
+    if ours:
+        worst = max(ours, key=lambda r: r["steps"] / greedy[(r["dataset"], r["cost"], r["budget"])]["steps"])
+        reference = greedy[(worst["dataset"], worst["cost"], worst["budget"])]["steps"]
+        lines.append(
+            f"- tokenbatch's step count is within {worst['steps'] / reference - 1:.1%} of the sorted greedy "
+            f"pass's everywhere (worst: {worst['dataset']}, {worst['cost']}, budget {worst['budget']}: "
+            f"{worst['steps']:g} steps against {reference:g}, averaged over epochs). The random budget share "
+            f"of its first batch, which moves batch boundaries between epochs, can cost one batch; that "
+            f"shows only when an epoch has few steps."
+        )
+        mean_repetition = sum(r["repetition"] for r in ours) / len(ours)
+        lines.append(
+            f"- Batch-mate repetition between consecutive epochs: tokenbatch "
+            f"{span1('tokenbatch', 'repetition')} (mean {mean_repetition:.2f}), LengthGroupedSampler "
+            f"{span1('length_grouped', 'repetition')}, random batches {span1('random_fixed', 'repetition')}, "
+            f"sorted greedy 1 (the same batches every epoch). Tight length grouping keeps a sample among "
+            f"the few others of nearly its length, so many of its batch-mates come back next epoch; "
+            f"only the tie-breaks, the boundaries and the batch order change."
+        )
+    same = all(r["lgs_own_fit_batch_size"] == r["batch_size"] for r in one if r["method"] == "length_grouped")
+    lines.append(
+        "- LengthGroupedSampler's own worst batch allows "
+        + (
+            "no larger batch size than the seed's in any row (it puts the longest sample first, in a full "
+            "batch), so one row per budget serves both readings."
+            if same
+            else "a larger batch size in some rows: see the `length_grouped_own_fit` rows."
+        )
+    )
+    if two:
+        lines.append(
+            f"- 2 processes: tokenbatch step balance (mean batch cost / the step's costliest batch) "
+            f"{span2('tokenbatch', 'step_balance')}, steps / lower bound "
+            f"{span2('tokenbatch', 'steps_over_lower_bound')}; LengthGroupedSampler's balance "
+            f"{span2('length_grouped', 'step_balance')}, random batches "
+            f"{span2('random_fixed', 'step_balance')}."
+        )
+    return "\n".join(lines)
+
+
+def read_planning(data: dict[str, Any]) -> str:
+    t = data["target"]
+    last = data["rows"][-1]
+    return (
+        f"Planning {t['n']:,} lengths: building the sampler and planning the first epoch takes "
+        f"{last['first_plan_s']:.2f} s = {t['first_over_argsort']:.2f}x numpy.argsort on the same array, "
+        f"each later epoch {last['epoch_plan_s']:.2f} s = {t['epoch_over_argsort']:.2f}x (target <= "
+        f"{t['max_ratio']:g}x: {'met' if t['met'] else 'NOT met'}). Peak traced memory is about "
+        f"{last['first_plan_peak_bytes_per_sample']:.0f} bytes per sample (the input is "
+        f"{last['input_bytes_per_sample']} bytes per sample), against "
+        f"{last['argsort_peak_bytes_per_sample']:.0f} for argsort's result. At 10^4 lengths fixed "
+        f"per-call overheads dominate and the ratio is larger, but the time is milliseconds."
+    )
+
+
+def read_gpu(data: dict[str, Any]) -> str:
+    if data.get("skipped"):
+        return f"Skipped: {data.get('reason', 'no CUDA device')}."
+    rows = {r["method"]: r for r in data["rows"]}
+    ours = rows["tokenbatch"]
+    return (
+        f"On {data['machine']['cuda']}: tokenbatch trains at {data['speedup']:.2f}x the real tokens per "
+        f"second of fixed random batches at the same worst-case memory, peak memory "
+        f"{(ours['peak_memory_fraction'] or 0):.1%} of the device."
+    )
+
+
+READERS = {"padding": read_padding, "planning": read_planning, "gpu": read_gpu}
+
+
+def header(results: dict[str, dict[str, Any]]) -> str:
+    machine = next(iter(results.values()))["machine"] if results else common.machine_info()
+    commands = "\n".join(f"    {r['command']}" for r in results.values())
+    return f"""# tokenbatch benchmarks
+
+Measured side by side in one run of the suite on: {machine["cpu"]}, {machine["cores"]} cores,
+Python {machine["python"]}, torch {machine["torch"]}, GPU: {machine["cuda"] or "none"}.
+The machine is shared with other jobs: times are medians of repeats, and
+comparisons are ratios measured side by side in the same run, never across runs.
+
+Commands that produced these results:
+
+{commands}
+
+Reproduce everything (from the repository root, with the `benchmarks` extra installed):
+
+    python -m benchmarks            # full runs, writes benchmarks/results/ and this page
+    python -m benchmarks --quick    # about a minute per benchmark; the smoke test runs this
+    python -m benchmarks --only padding
+    python -m benchmarks.report     # redraw plots and this page from benchmarks/results/
+"""
+
+
+def assemble(results_dir: Path, output: Path) -> tuple[str, list[str]]:
+    """The RESULTS.md text (to be written at ``output``) and the plots drawn for it."""
+    results = {}
+    for name in MODULES:
+        path = results_dir / f"{name}.json"
+        if path.exists():
+            results[name] = json.loads(path.read_text())
+    parts = [header(results)]
+    plots = []
+    for name, data in results.items():
+        parts.append(f"## {TITLES[name]}\n")
+        reading = READERS.get(name)
+        if reading is not None:
+            parts.append(reading(data) + "\n")
+        plotter = PLOTTERS.get(name)
+        drawn = plotter(data, results_dir) if plotter else []
+        if name in ("training", "gpu") and not data.get("skipped"):
+            drawn += plot_training(data, results_dir, name)
+        for file in drawn:
+            parts.append(f"![{file}]({os.path.relpath(results_dir / file, output.parent)})\n")
+        plots += drawn
+        md = results_dir / f"{name}.md"
+        if md.exists():
+            # Demote the benchmark's own headings below this page's section heading.
+            parts.append(
+                "\n".join(
+                    "#" + line if line.startswith("#") else line for line in md.read_text().splitlines()
+                )
+            )
+        parts.append("")
+    missing = [m for m in MODULES if m not in results]
+    if missing:
+        parts.append(f"Not in this run (module missing or not run): {', '.join(missing)}.\n")
+    return "\n".join(parts), plots
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.report", description=__doc__.splitlines()[0])
+    parser.add_argument("--results", type=Path, default=common.RESULTS, help="folder with <name>.json/.md")
+    parser.add_argument("--output", type=Path, default=common.REPO / "benchmarks" / "RESULTS.md")
+    args = parser.parse_args(argv)
+    text, plots = assemble(args.results.resolve(), args.output.resolve())
+    args.output.write_text(text.rstrip() + "\n")
+    print(f"[report] wrote {args.output} and {len(plots)} plot(s): {', '.join(plots)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
