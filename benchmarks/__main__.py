@@ -32,7 +32,9 @@ def run_module(name: str, quick: bool, out: Path) -> tuple[str, float]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(common.REPO), env.get("PYTHONPATH")) if p)
     env.setdefault("HF_HUB_OFFLINE", "1")  # everything needed ships in packages or ../shared
-    command = [sys.executable, "-m", f"benchmarks.{name}", *(["--quick"] if quick else []), "--out", str(out)]
+    command = [sys.executable, "-m", f"benchmarks.{name}", *(["--quick"] if quick else [])]
+    if out != common.RESULTS.resolve():  # the default stays implicit, so recorded commands are portable
+        command += ["--out", str(out)]
     print(f"[benchmarks] {name}: {' '.join(command[1:])}", flush=True)
     start = time.perf_counter()
     returncode = subprocess.run(command, env=env, cwd=common.REPO, check=False).returncode

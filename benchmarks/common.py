@@ -102,12 +102,12 @@ def parser(name: str, description: str) -> argparse.ArgumentParser:
     return result
 
 
-def markdown_table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:
-    """A Markdown table of ``rows`` with the given ``columns``; floats to 3 significant digits."""
+def markdown_table(rows: Sequence[dict[str, Any]], columns: Sequence[str], digits: int = 3) -> str:
+    """A Markdown table of ``rows`` with the given ``columns``; floats to ``digits`` significant digits."""
 
     def cell(value: Any) -> str:
         if isinstance(value, float):
-            return f"{value:.3g}" if abs(value) < 1000 else f"{value:,.0f}"
+            return f"{value:.{digits}g}" if abs(value) < 1000 else f"{value:,.0f}"
         return str(value)
 
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]

@@ -285,7 +285,7 @@ def markdown(sets: list[Dataset], rows: list[dict[str, Any]], targets: list[dict
                 ]
                 if chosen:
                     parts += [f"\n## {d.name}, {cost_name} cost, {replicas} process(es)\n"]
-                    parts.append(common.markdown_table(chosen, columns))
+                    parts.append(common.markdown_table(chosen, columns, digits=4))
     return "\n".join(parts)
 
 

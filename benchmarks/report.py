@@ -208,9 +208,9 @@ def read_padding(data: dict[str, Any]) -> str:
         lines.append(
             f"- tokenbatch's step count is within {worst['steps'] / reference - 1:.1%} of the sorted greedy "
             f"pass's everywhere (worst: {worst['dataset']}, {worst['cost']}, budget {worst['budget']}: "
-            f"{worst['steps']:g} steps against {reference:g}, averaged over epochs). The random budget share "
-            f"of its first batch, which moves batch boundaries between epochs, can cost one batch; that "
-            f"shows only when an epoch has few steps."
+            f"{worst['steps']:.3g} steps against {reference:g}, averaged over epochs). The random budget "
+            f"share of its first batch, which moves batch boundaries between epochs, can cost one batch; "
+            f"that shows only when an epoch has few steps."
         )
         mean_repetition = sum(r["repetition"] for r in ours) / len(ours)
         lines.append(
@@ -295,6 +295,44 @@ Reproduce everything (from the repository root, with the `benchmarks` extra inst
 """
 
 
+def headline(results: dict[str, dict[str, Any]]) -> str:
+    """The few numbers a reader wants first: issue 2's two settings, every method side by side."""
+    if "padding" not in results:
+        return ""
+    names = {
+        "tokenbatch": "tokenbatch",
+        "random_fixed": "random fixed batches (seed)",
+        "length_grouped": "transformers LengthGroupedSampler",
+        "sorted_greedy": "sorted greedy (no randomness)",
+    }
+    table = []
+    for t in results["padding"]["targets"]:
+        dataset, cost_name, budget = t["target"].split(", ")
+        for row in results["padding"]["rows"]:
+            key = (row["dataset"], row["cost"], f"max_tokens={row['budget']}", row["processes"])
+            if key == (dataset, cost_name, budget, 1) and row["method"] in names:
+                table.append(
+                    {
+                        "setting": t["target"],
+                        "method": names[row["method"]],
+                        "batch size": "from budget" if row["batch_size"] == "budget" else row["batch_size"],
+                        "padding efficiency": row["efficiency"],
+                        "steps / lower bound": row["steps_over_lower_bound"],
+                        "batch-mate repetition": row["repetition"],
+                    }
+                )
+    text = "## Headline\n\n" + common.markdown_table(
+        table, list(table[0]) if table else ["setting"], digits=4
+    )
+    if "planning" in results:
+        t = results["planning"]["target"]
+        text += (
+            f"\n\nPlanning {t['n']:,} lengths: {t['first_over_argsort']:.2f}x numpy.argsort for the first "
+            f"epoch (sampler construction included), {t['epoch_over_argsort']:.2f}x for each later one."
+        )
+    return text + "\n"
+
+
 def assemble(results_dir: Path, output: Path) -> tuple[str, list[str]]:
     """The RESULTS.md text (to be written at ``output``) and the plots drawn for it."""
     results = {}
@@ -302,7 +340,7 @@ def assemble(results_dir: Path, output: Path) -> tuple[str, list[str]]:
         path = results_dir / f"{name}.json"
         if path.exists():
             results[name] = json.loads(path.read_text())
-    parts = [header(results)]
+    parts = [header(results), headline(results)]
     plots = []
     for name, data in results.items():
         parts.append(f"## {TITLES[name]}\n")
