@@ -30,8 +30,8 @@ TITLES = {
 METHOD_STYLE = {
     "tokenbatch": ("tab:blue", "o"),
     "sorted_greedy": ("black", "x"),
-    "length_grouped": ("tab:orange", "s"),
     "random_fixed": ("tab:red", "^"),
+    "length_grouped": ("tab:orange", "s"),
 }
 
 
@@ -47,6 +47,8 @@ def _pyplot() -> Any:
 def plot_padding(data: dict[str, Any], out: Path) -> list[str]:
     """Efficiency and steps / lower bound versus budget, one panel per data set and cost (1 process)."""
     plt = _pyplot()
+    from matplotlib import ticker
+
     rows = [r for r in data["rows"] if r["processes"] == 1]
     panels = sorted(
         {(r["dataset"], r["cost"]) for r in rows}, key=lambda p: (list(data["datasets"]).index(p[0]), p[1])
@@ -67,10 +69,19 @@ def plot_padding(data: dict[str, Any], out: Path) -> list[str]:
                     if (r["dataset"], r["cost"], r["method"]) == (dataset, cost, method)
                 )
                 if points:
-                    ax.plot(*zip(*points, strict=True), color=color, marker=marker, label=method)
+                    # Dashed, so it shows where it coincides with random_fixed (same batch size).
+                    style = "--" if method == "length_grouped" else "-"
+                    ax.plot(*zip(*points, strict=True), style, color=color, marker=marker, label=method)
             ax.set_xscale("log", base=2)
             if metric == "steps_over_lower_bound":
                 ax.set_yscale("log")
+                ax.yaxis.set_major_formatter(ticker.FormatStrFormatter("%g"))
+                low, high = ax.get_ylim()
+                if high / low < 20:  # label minor ticks only where there are few of them
+                    ax.yaxis.set_minor_formatter(ticker.FormatStrFormatter("%g"))
+                    ax.tick_params(axis="y", which="minor", labelsize=7)
+                else:
+                    ax.yaxis.set_minor_formatter(ticker.NullFormatter())
             else:
                 ax.set_ylim(0, 1.02)
             ax.set_title(f"{dataset}, {cost} cost", fontsize=10)
