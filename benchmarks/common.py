@@ -38,7 +38,7 @@ def data_dir() -> Path | None:
 
 def read_jsonl(path: Path, limit: int | None = None) -> list[dict[str, Any]]:
     """Rows of a JSON Lines file (the first ``limit`` of them)."""
-    rows = []
+    rows: list[dict[str, Any]] = []
     with open(path) as handle:
         for line in handle:
             if limit is not None and len(rows) >= limit:

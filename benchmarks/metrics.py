@@ -146,9 +146,9 @@ def measure(
     sizes = np.diff(offsets)
     longest = np.maximum.reduceat(lengths[order], offsets[:-1])
     steps = math.ceil(len(costs) / num_replicas)
-    per_step = np.zeros(steps * num_replicas)
-    per_step[: len(costs)] = costs
-    per_step = per_step.reshape(steps, num_replicas)
+    padded = np.zeros(steps * num_replicas)
+    padded[: len(costs)] = costs
+    per_step = padded.reshape(steps, num_replicas)
     return BatchingStats(
         efficiency=float(cost.sample_cost(lengths[order]).sum() / costs.sum()),
         token_efficiency=float(lengths[order].sum() / (sizes * longest).sum()),

@@ -161,11 +161,7 @@ def _fewest_batches(lengths: list[int], cost: CostModel, budget: float) -> int:
                 result.append([*smaller[:k], [first, *smaller[k]], *smaller[k + 1 :]])
         return result
 
-    fits = [
-        p
-        for p in partitions(lengths)
-        if all(cost.cost(len(b), max(b)) <= budget for b in p)  # type: ignore[call-overload]
-    ]
+    fits = [p for p in partitions(lengths) if all(cost.cost(len(b), max(b)) <= budget for b in p)]
     return min(len(p) for p in fits)
 
 
