@@ -18,11 +18,12 @@ from __future__ import annotations
 import random
 import sys
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import torch
+from torch.utils.data import DataLoader
 
 from benchmarks import common
 from benchmarks.metrics import seed_batch_size
@@ -59,14 +60,22 @@ def load_emotion(limit: int | None) -> tuple[list[str], list[int], list[str], li
     )
 
 
-def _batches(method: str, lengths: np.ndarray, budget: int, epoch: int) -> Iterable[list[int]]:
+def _loader(method: str, features: list[dict[str, Any]], budget: int, collate: Any) -> DataLoader[Any]:
+    """The DataLoader each design would use: a token-budget batch sampler, or shuffled fixed batches."""
+    lengths = np.array([len(f["input_ids"]) for f in features])
     if method == "tokenbatch":
         sampler = TokenBudgetBatchSampler(lengths, budget, seed=0)
-        sampler.set_epoch(epoch)
-        return list(sampler)
+        return DataLoader(features, batch_sampler=sampler, collate_fn=collate, num_workers=2)  # type: ignore[arg-type]
     size = seed_batch_size(lengths, CostModel(), budget)
-    order = np.random.default_rng(epoch).permutation(len(lengths)).tolist()
-    return [order[i : i + size] for i in range(0, len(order), size)]
+    generator = torch.Generator().manual_seed(0)
+    return DataLoader(
+        features,  # type: ignore[arg-type]
+        batch_size=size,
+        shuffle=True,
+        generator=generator,
+        collate_fn=collate,
+        num_workers=2,
+    )
 
 
 def train_method(
@@ -88,7 +97,11 @@ def train_method(
     collate = DataCollatorWithPadding(AutoTokenizer.from_pretrained(path))
     model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=6).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=5e-5)
-    lengths = np.array([len(ids) for ids in encoded["input_ids"]])
+    features = [
+        {"input_ids": ids, "label": label} for ids, label in zip(encoded["input_ids"], labels, strict=True)
+    ]
+    loader = _loader(method, features, budget, collate)
+    lengths = np.array([len(f["input_ids"]) for f in features])
     cuda = device.type == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
     if cuda:
@@ -100,16 +113,17 @@ def train_method(
         if cuda:
             torch.cuda.synchronize(device)
         start = time.perf_counter()
-        for batch_indices in _batches(method, lengths, budget, epoch):
-            features = [{"input_ids": encoded["input_ids"][i], "label": labels[i]} for i in batch_indices]
-            batch = {k: v.to(device) for k, v in collate(features).items()}
+        if isinstance(loader.batch_sampler, TokenBudgetBatchSampler):
+            loader.batch_sampler.set_epoch(epoch)
+        for cpu_batch in loader:
+            batch = {k: v.to(device, non_blocking=True) for k, v in cpu_batch.items()}
             with torch.autocast(device.type, dtype=dtype, enabled=cuda):
                 loss = model(**batch).loss
             loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             steps += 1
-            real_tokens += int(lengths[batch_indices].sum())
+            real_tokens += int(cpu_batch["attention_mask"].sum())
         if cuda:
             torch.cuda.synchronize(device)
         seconds = time.perf_counter() - start
