@@ -26,8 +26,8 @@ import torch
 from torch.utils.data import DataLoader
 
 from benchmarks import common
-from benchmarks.metrics import seed_batch_size
 from tokenbatch import CostModel, TokenBudgetBatchSampler
+from tokenbatch.compare import fixed_batch_size
 
 WORDS = ("i", "feel", "so", "happy", "sad", "angry", "afraid", "surprised", "loved", "today", "not", "very")
 
@@ -66,7 +66,7 @@ def _loader(method: str, features: list[dict[str, Any]], budget: int, collate: A
     if method == "tokenbatch":
         sampler = TokenBudgetBatchSampler(lengths, budget, seed=0)
         return DataLoader(features, batch_sampler=sampler, collate_fn=collate, num_workers=2)  # type: ignore[arg-type]
-    size = seed_batch_size(lengths, CostModel(), budget)
+    size = fixed_batch_size(lengths, CostModel(), budget)
     generator = torch.Generator().manual_seed(0)
     return DataLoader(
         features,  # type: ignore[arg-type]
@@ -141,7 +141,7 @@ def train_method(
     return {
         "method": method,
         "budget": budget,
-        "batch_size": "budget" if method == "tokenbatch" else seed_batch_size(lengths, CostModel(), budget),
+        "batch_size": "budget" if method == "tokenbatch" else fixed_batch_size(lengths, CostModel(), budget),
         "epochs": epochs_out,
         "seconds_per_epoch": float(np.median([e["seconds"] for e in epochs_out])),
         "real_tokens_per_s": float(np.median([e["real_tokens_per_s"] for e in epochs_out])),

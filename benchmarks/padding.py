@@ -30,15 +30,16 @@ import numpy as np
 import torch
 
 from benchmarks import common
-from benchmarks.metrics import (
+from tokenbatch import CostModel, TokenBudgetBatchSampler
+from tokenbatch.compare import (
     Batching,
     batch_costs,
-    fixed_offsets,
+    fixed_batch_size,
+    length_grouped_batching,
     measure,
+    random_fixed_batching,
     repetition,
-    seed_batch_size,
 )
-from tokenbatch import CostModel, TokenBudgetBatchSampler
 
 COSTS = {"linear": CostModel(), "quadratic": CostModel(quadratic=1 / 1024)}
 METHODS = ("tokenbatch", "random_fixed", "length_grouped", "sorted_greedy")
@@ -136,18 +137,13 @@ def tokenbatch_epochs(
 
 def random_fixed_epochs(num_samples: int, batch_size: int, epochs: int) -> list[Batching]:
     rng = np.random.default_rng(0)
-    offsets = fixed_offsets(num_samples, batch_size)
-    return [(rng.permutation(num_samples), offsets) for _ in range(epochs)]
+    return [random_fixed_batching(num_samples, batch_size, rng) for _ in range(epochs)]
 
 
 def length_grouped_epochs(lengths: np.ndarray, batch_size: int, epochs: int) -> list[Batching]:
-    from transformers.trainer_pt_utils import LengthGroupedSampler
-
     # One generator for the run, as Trainer does: it advances, so epochs differ.
     generator = torch.Generator().manual_seed(0)
-    sampler = LengthGroupedSampler(batch_size, lengths=lengths.tolist(), generator=generator)
-    offsets = fixed_offsets(len(lengths), batch_size)
-    return [(np.fromiter(iter(sampler), np.int64, len(lengths)), offsets) for _ in range(epochs)]
+    return [length_grouped_batching(lengths, batch_size, generator) for _ in range(epochs)]
 
 
 def sorted_greedy(lengths: np.ndarray, cost: CostModel, budget: float) -> Batching:
@@ -194,7 +190,7 @@ def run_config(dataset: Dataset, cost_name: str, budget: int, epochs: int) -> li
     lengths, cost = dataset.lengths, COSTS[cost_name]
     if float(cost.sample_cost(int(lengths.max()))) > budget:
         return []
-    size = seed_batch_size(lengths, cost, budget)
+    size = fixed_batch_size(lengths, cost, budget)
     grouped = length_grouped_epochs(lengths, size, epochs)
     # LengthGroupedSampler's own worst batch decides the largest size a user could pick for it.
     own_size = size

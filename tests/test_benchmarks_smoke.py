@@ -18,14 +18,14 @@ if str(REPO) not in sys.path:  # benchmarks/ is not part of the installed packag
     sys.path.insert(0, str(REPO))
 
 from benchmarks import common, gpu, padding  # noqa: E402
-from benchmarks.metrics import (  # noqa: E402
+from tokenbatch import CostModel, TokenBudgetBatchSampler  # noqa: E402
+from tokenbatch.compare import (  # noqa: E402
+    fixed_batch_size,
     from_batches,
     lower_bound_steps,
     measure,
     repetition,
-    seed_batch_size,
 )
-from tokenbatch import CostModel, TokenBudgetBatchSampler  # noqa: E402
 
 MODULES = ("padding", "planning", "training", "oom_recovery", "probe", "gpu")
 
@@ -175,12 +175,12 @@ def test_sorted_greedy_uses_the_fewest_batches() -> None:
         assert len(offsets) - 1 == _fewest_batches(lengths.tolist(), cost, budget)
 
 
-def test_seed_batch_size_is_the_largest_that_fits() -> None:
+def test_fixed_batch_size_is_the_largest_that_fits() -> None:
     lengths = np.array([10, 87, 3])
-    size = seed_batch_size(lengths, CostModel(), 16384)
+    size = fixed_batch_size(lengths, CostModel(), 16384)
     assert CostModel().cost(size, 87) <= 16384 < CostModel().cost(size + 1, 87)
-    with pytest.raises(ValueError, match="larger budget"):
-        seed_batch_size(lengths, CostModel(), 50)
+    with pytest.raises(ValueError, match="raise max_tokens to at least 87"):
+        fixed_batch_size(lengths, CostModel(), 50)
 
 
 def test_synthetic_fallback_without_data(monkeypatch: pytest.MonkeyPatch) -> None:
