@@ -22,7 +22,7 @@ from tokenbatch.probe import find_max_tokens
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "tests" / "scripts" / "probe_train_limited.py"
-CONFIG = {
+CONFIG: dict[str, Any] = {
     "vocab_size": 1000,
     "hidden_size": 32,
     "num_hidden_layers": 2,
@@ -43,6 +43,7 @@ def child_env() -> dict[str, str]:
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status for VmSize")
 def test_suggested_budget_trains_under_the_limit_and_twice_it_runs_out() -> None:
     config = BertConfig(**CONFIG)
     config._attn_implementation = "eager"
