@@ -88,7 +88,7 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
 
     def step(size: int, length: int) -> None:
         batch = synthetic_batch(model, size, length, generator)
-        default_loss(model(**batch), batch).backward()
+        default_loss(model(**batch), batch).backward()  # type: ignore[no-untyped-call]
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
@@ -194,7 +194,8 @@ def run_case(case: dict[str, Any], quick: bool) -> dict[str, Any]:
         "fit": {k: getattr(fit, k) for k in ("constant", "linear", "quadratic", "per_sample", "step_peak")},
     }
     rng = np.random.default_rng(1)
-    errors, shapes = [], []
+    errors: list[float] = []
+    shapes: list[tuple[int, int]] = []
     while len(shapes) < case["held_out"]:
         length = int(rng.integers(16, max_len + 1))
         size = int(result.max_tokens * rng.uniform(0.3, 1.0) // float(result.cost.sample_cost(length)))
@@ -280,7 +281,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.child:
         print(json.dumps(child(json.loads(args.child))))
         return 0
-    cases = [
+    cases: list[dict[str, Any]] = [
         {"name": "tiny-bert", "kind": "tiny", "max_len": 256, "memory_limit": 64 * MiB, "held_out": 8},
         {
             "name": "all-MiniLM-L6-v2", "kind": "minilm", "max_len": 128 if args.quick else 256,
