@@ -47,14 +47,23 @@ import torch
 MakeBatch = Callable[[int, int, torch.Generator], Any]
 LossFn = Callable[[Any, Any], torch.Tensor]
 
-_OOM_MESSAGES = (" out of memory", "DefaultCPUAllocator: can't allocate memory", "MPS backend out of memory")
-
 
 def is_oom(error: BaseException) -> bool:
-    """Whether ``error`` is an out-of-memory error from CUDA, MPS or the CPU allocator."""
+    """Whether ``error`` is out of memory: ``torch.OutOfMemoryError`` (CUDA, XPU), or an error
+    accelerate's ``should_reduce_batch_size`` recognises (the CPU allocator's, MPS's, ...).
+
+    Without accelerate installed only ``torch.OutOfMemoryError`` counts: the CPU
+    allocator raises a plain ``RuntimeError``, which then propagates.
+    """
     if isinstance(error, torch.OutOfMemoryError):
         return True
-    return isinstance(error, RuntimeError) and any(m in str(error) for m in _OOM_MESSAGES)
+    if not isinstance(error, Exception):
+        return False
+    try:
+        from accelerate.utils.memory import should_reduce_batch_size
+    except ImportError:
+        return False
+    return bool(should_reduce_batch_size(error))
 
 
 @dataclass(frozen=True)
@@ -218,31 +227,56 @@ def _quiet_stderr() -> Iterator[None]:
         os.close(devnull)
 
 
-def _cpu_peak_delta(fn: Callable[[], None]) -> tuple[int, int]:
-    """Run ``fn`` under the profiler; (max, final) of its running sum of CPU allocations, in bytes."""
+_PHASE_MARK = "tokenbatch.probe.optimizer_step"
+
+
+def _cpu_phase_peaks(first: Callable[[], None], second: Callable[[], None]) -> tuple[int, int, int]:
+    """Run ``first`` then ``second`` under one profiler session; CPU allocation peaks in bytes.
+
+    Returns ``first``'s peak and net change of the running sum of allocations,
+    and ``second``'s peak above where ``first`` left it. One session per step,
+    not one per phase: starting and stopping the profiler costs about as much as
+    a tiny model's step. A ``record_function`` mark splits the events.
+    """
     from torch._C._autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity, profile, record_function
 
     prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
     with _quiet_stderr():
         prof.start()
     try:
-        fn()
+        first()
+        with record_function(_PHASE_MARK):
+            second()
     finally:
         with _quiet_stderr():
             prof.stop()
     results: Any = prof.profiler.kineto_results  # type: ignore[union-attr]
-    events = [
-        (e.start_ns(), int(e.nbytes()))
-        for e in results.events()
-        if e.name() == "[memory]" and e.device_type() == DeviceType.CPU
-    ]
+    boundary = None
+    events = []
+    for e in results.events():
+        name = e.name()
+        if name == "[memory]":
+            if e.device_type() == DeviceType.CPU:
+                events.append((e.start_ns(), int(e.nbytes())))
+        elif name == _PHASE_MARK:
+            boundary = e.start_ns()
+    if boundary is None:
+        raise RuntimeError("the torch profiler recorded no phase mark; cannot split the probe step")
     events.sort(key=lambda item: item[0])
-    current = peak = 0
-    for _, nbytes in events:
+    current = peak_first = peak_second = 0
+    net_first: int | None = None
+    for start, nbytes in events:
+        if net_first is None and start >= boundary:
+            net_first = peak_second = current
         current += nbytes
-        peak = max(peak, current)
-    return peak, current
+        if net_first is None:
+            peak_first = max(peak_first, current)
+        else:
+            peak_second = max(peak_second, current)
+    if net_first is None:
+        net_first = peak_second = current
+    return peak_first, net_first, peak_second - net_first
 
 
 class StepRunner:
@@ -280,12 +314,20 @@ class StepRunner:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
 
-    def run(self, batch_size: int, length: int) -> StepPeak:
-        """Measure one step on a fresh synthetic batch; out-of-memory is reported, not raised."""
+    def run(self, batch_size: int, length: int, *, measure: bool = True) -> StepPeak:
+        """Measure one step on a fresh synthetic batch; out-of-memory is reported, not raised.
+
+        With ``measure=False`` the step only runs (a warm-up), and its peaks read 0.
+        """
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         try:
-            return self._measure(self._batch(batch_size, length))
+            batch = self._batch(batch_size, length)
+            if measure:
+                return self._measure(batch)
+            self._forward_backward(batch)
+            self._step()
+            return StepPeak(0, 0)
         except Exception as error:
             if not is_oom(error):
                 raise
@@ -300,8 +342,7 @@ class StepRunner:
         if self.device.type == "cuda":
             return self._run_cuda(batch)
         base = held_bytes(self.model, self.optimizer) + _batch_bytes(batch)
-        peak_a, net_a = _cpu_peak_delta(lambda: self._forward_backward(batch))
-        peak_b, _ = _cpu_peak_delta(self._step)
+        peak_a, net_a, peak_b = _cpu_phase_peaks(lambda: self._forward_backward(batch), self._step)
         return StepPeak(base + peak_a, base + net_a + peak_b)
 
     def _run_cuda(self, batch: Any) -> StepPeak:

@@ -201,7 +201,8 @@ def find_max_tokens(
     start = time.perf_counter()
     with preserved(model, None if own_optimizer else optimizer):
         runner = StepRunner(model, optimizer, make_batch=make_batch, loss_fn=loss_fn)
-        runner.run(1, min_len)  # warm-up: optimizer state, kernels and workspaces exist from here on
+        # Warm-up, not measured: optimizer state, kernels and workspaces exist from here on.
+        runner.run(1, min_len, measure=False)
         limit = float(memory_limit) if memory_limit is not None else default_memory_limit(model, optimizer)
         limit = _checks.positive_number("memory_limit", limit)
         prober = Prober(runner, limit * (1 - margin), progress)
@@ -259,5 +260,5 @@ def measure_peak(
     with preserved(model, None if own_optimizer else optimizer):
         runner = StepRunner(model, optimizer, make_batch=make_batch, loss_fn=loss_fn)
         if warmup:
-            runner.run(1, min(length, 8))
+            runner.run(1, min(length, 8), measure=False)
         return Prober(runner, math.inf, progress=False).measure(batch_size, length)
