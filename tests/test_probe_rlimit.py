@@ -1,7 +1,8 @@
 """The probe's budget under a real memory limit: a subprocess trains with RLIMIT_AS set.
 
 See tests/scripts/probe_train_limited.py for how the limit is calibrated
-against the child's own VmSize, and why it runs with MALLOC_MMAP_THRESHOLD_.
+against the child's own VmSize, why it runs with MALLOC_MMAP_THRESHOLD_, and
+why each budget trains in a fork of one child.
 """
 
 from __future__ import annotations
@@ -48,35 +49,31 @@ def test_suggested_budget_trains_under_the_limit_and_twice_it_runs_out() -> None
     config = BertConfig(**CONFIG)
     config._attn_implementation = "eager"
     torch.manual_seed(0)
-    result = find_max_tokens(BertForSequenceClassification(config), max_len=256, memory_limit=LIMIT)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a tiny model's ops are too small to split between threads
+    try:
+        result = find_max_tokens(BertForSequenceClassification(config), max_len=256, memory_limit=LIMIT)
+    finally:
+        torch.set_num_threads(threads)
     rng = np.random.default_rng(0)
     lengths = [int(n) for n in rng.integers(8, 257, 300)] + [256] * 30
     cost = {k: getattr(result.cost, k) for k in ("linear", "quadratic", "per_sample")}
 
-    def spec(max_tokens: float) -> str:
-        settings: dict[str, Any] = {
-            "config": CONFIG, "seed": 0, "lengths": lengths, "max_tokens": max_tokens,
-            "cost": cost, "memory_limit": LIMIT, "max_steps": 6,
-        }  # fmt: skip
-        return json.dumps(settings)
-
-    # Both children at once: most of their time is importing torch and transformers.
-    children = [
-        subprocess.Popen(
-            [sys.executable, str(SCRIPT), spec(budget)],
-            env=child_env(),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for budget in (result.max_tokens, 2 * result.max_tokens)
-    ]
-    reports = []
-    for child in children:
-        out, err = child.communicate(timeout=300)
-        assert child.returncode == 0, err[-3000:]
-        reports.append(json.loads(out.strip().splitlines()[-1]))
-    at_budget, at_double = reports
+    spec: dict[str, Any] = {
+        "config": CONFIG, "seed": 0, "lengths": lengths, "cost": cost, "memory_limit": LIMIT,
+        "max_steps": 6, "budgets": [result.max_tokens, 2 * result.max_tokens],
+    }  # fmt: skip
+    # One child imports torch and transformers once and trains each budget in a fork of itself.
+    child = subprocess.run(
+        [sys.executable, str(SCRIPT), json.dumps(spec)],
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert child.returncode == 0, child.stderr[-3000:]
+    at_budget, at_double = json.loads(child.stdout.strip().splitlines()[-1])
     assert at_budget["ok"] and at_budget["steps"] == 6, at_budget
     # The run really used its budget: the costliest batch comes first and nearly fills it.
     assert at_budget["max_batch_cost"] > 0.8 * result.max_tokens
