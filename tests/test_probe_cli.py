@@ -4,14 +4,26 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 from transformers import BertConfig
 
 from tokenbatch.budget_cache import BudgetCache, BudgetKey
 from tokenbatch.cli import main
 from tokenbatch.cli.probe import parse_bytes
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread() -> Iterator[None]:
+    """One intra-op thread: a tiny model's ops are too small to split, and on a busy machine
+    each op's second thread waits for a core."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture()
