@@ -156,16 +156,29 @@ def search_budget(
 ) -> tuple[float, list[Measurement]]:
     """Double the budget until a worst-case batch does not fit, then bisect; budget in cost units."""
     tried: list[Measurement] = []
+    # Peak memory grows with the batch at a given length, so a measured step also settles every
+    # smaller batch (fits) or larger one (does not) at that length: near the end of the bisection
+    # the longest lengths' batch sizes stop changing, and those steps need not run again.
+    largest_fit: dict[int, int] = {}
+    smallest_miss: dict[int, int] = {}
+    order = check_lengths(min_len, max_len)
 
     def fits(budget: float) -> bool:
-        for length in check_lengths(min_len, max_len):
+        for length in list(order):
             size = int(budget // float(cost.sample_cost(length)))
-            if size < 1:
+            if size < 1 or size <= largest_fit.get(length, 0):
                 continue
-            m = prober.measure(size, length)
-            tried.append(m)
-            if not prober.fits(m):
-                return False
+            if size < smallest_miss.get(length, size + 1):
+                m = prober.measure(size, length)
+                tried.append(m)
+                if prober.fits(m):
+                    largest_fit[length] = size
+                    continue
+                smallest_miss[length] = size
+            # The length that failed is the likeliest to fail the next budget too: check it first.
+            order.remove(length)
+            order.insert(0, length)
+            return False
         return True
 
     low = float(cost.sample_cost(max_len))
