@@ -15,16 +15,20 @@ sdpa, which on CPU with dropout runs the math kernel) on CPU:
 * the search method's budget and time, and the analytic estimate
   (``tokenbatch.memory_model``) against the fit.
 
-Usage: ``python -m benchmarks.probe [--quick] [--out DIR]``. ``--quick`` skips
-MiniLM's ground truth and search runs (each MiniLM step takes seconds on CPU)
-and the default-malloc ground truth, and brackets the largest budget to 5%
-instead of 2%. Every ground-truth trial is a fresh interpreter, so the full
-run takes about half an hour on a busy 2-core machine.
+Usage: ``python -m benchmarks.probe [--quick] [--out DIR]``. ``--quick`` runs
+the tiny BERT only (a MiniLM probe alone takes most of a minute on CPU: every
+step that lifts its forward + backward peak above the optimizer step's holds a
+thousand tokens or more), skips the default-malloc ground truth, and brackets
+the largest budget to 5% instead of 2%. Ground-truth trials run in forks of
+one warmed-up server process per model and allocator setting (see
+:func:`serve`), so each trial costs its training steps, not an interpreter
+start.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -32,8 +36,10 @@ import resource
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import Sequence
+import traceback
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -72,18 +78,42 @@ def _vm(field: str) -> int:
     raise RuntimeError(f"no {field} in /proc/self/status")
 
 
-def child(spec: dict[str, Any]) -> dict[str, Any]:
-    """One trial in a fresh process: do the worst-case batches of ``spec["budget"]`` train under
-    RLIMIT_AS set to the memory limit (calibrated against this process's own VmSize)?"""
+def _in_fork(fn: Callable[[], dict[str, Any]]) -> tuple[int, int]:
+    """Start ``fn`` in a forked child; returns its pid and the pipe its JSON result comes back on."""
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(read_end)
+        try:
+            payload, code = json.dumps(fn()), 0
+        except BaseException:
+            payload, code = json.dumps({"ok": False, "crash": traceback.format_exc()}), 1
+        with os.fdopen(write_end, "w") as handle:
+            handle.write(payload)
+        os._exit(code)  # no atexit handlers, no flushing the server's buffers twice
+    os.close(write_end)
+    return pid, read_end
+
+
+def serve(spec: dict[str, Any]) -> None:
+    """The trial server: build and warm up the model once, then for each request on stdin (a JSON
+    line ``{"cost": {...}, "budgets": [...]}``) run one trial per budget, each in a fork of this
+    process, and print their results as one JSON line.
+
+    A trial asks: do the worst-case batches of the budget train under RLIMIT_AS set to the memory
+    limit (calibrated against the fork's own VmSize)? Each fork starts from the state of a fresh
+    process after its warm-up, and no trial sees what an earlier one's failed allocations did to
+    glibc's heap; only the server pays for importing torch and building the model.
+    """
+    import accelerate.utils.memory  # noqa: F401  (is_oom asks it; not to be imported under the limit)
     import torch
 
     from tokenbatch import CostModel
     from tokenbatch._probe_step import default_loss, held_bytes, is_oom, synthetic_batch
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(1)  # also: no OpenMP thread pool for the forks to inherit
     model = build(spec).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
-    cost = CostModel(**spec["cost"])
     generator = torch.Generator().manual_seed(0)
 
     def step(size: int, length: int) -> None:
@@ -92,72 +122,99 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
+    def trial(cost: CostModel, budget: float) -> dict[str, Any]:
+        base = _vm("VmSize")
+        allowed = spec["memory_limit"] - held_bytes(model, optimizer)
+        resource.setrlimit(resource.RLIMIT_AS, (base + allowed, resource.RLIM_INFINITY))
+        for length in spec["lengths"]:
+            size = int(budget // float(cost.sample_cost(length)))
+            if size < 1:
+                continue
+            try:
+                step(size, length)
+            except Exception as error:
+                resource.setrlimit(resource.RLIMIT_AS, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+                if not is_oom(error):
+                    raise
+                return {"ok": False, "failed": [size, length]}
+        return {"ok": True, "growth_over_allowed": (_vm("VmPeak") - base) / allowed}
+
     step(1, 16)  # warm-up: optimizer state, kernels
-    base = _vm("VmSize")
-    allowed = spec["memory_limit"] - held_bytes(model, optimizer)
-    resource.setrlimit(resource.RLIMIT_AS, (base + allowed, resource.RLIM_INFINITY))
-    # Each trial is a fresh process: after a failed allocation under RLIMIT_AS glibc may have grown
-    # its heap instead, so later trials in the same process would see less room than a new run.
-    for length in spec["lengths"]:
-        size = int(spec["budget"] // float(cost.sample_cost(length)))
-        if size < 1:
-            continue
-        try:
-            step(size, length)
-        except Exception as error:
-            if not is_oom(error):
-                raise
-            return {"ok": False, "failed": [size, length]}
-    return {"ok": True, "growth_over_allowed": (_vm("VmPeak") - base) / allowed}
+    for line in iter(sys.stdin.readline, ""):
+        request = json.loads(line)
+        cost = CostModel(**request["cost"])
+        children = [_in_fork(functools.partial(trial, cost, budget)) for budget in request["budgets"]]
+        results = []
+        for pid, pipe in children:
+            with os.fdopen(pipe) as handle:
+                results.append(json.loads(handle.read()))
+            os.waitpid(pid, 0)
+        print(json.dumps(results), flush=True)
 
 
-def _trial_env(default_malloc: bool) -> dict[str, str]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
-    env["PYTHONPATH"] = os.pathsep.join([str(common.REPO), env.get("PYTHONPATH", "")])
-    if default_malloc:
-        env.pop("MALLOC_MMAP_THRESHOLD_", None)
-    else:
-        env["MALLOC_MMAP_THRESHOLD_"] = "65536"
-    return env
+class TrialServer:
+    """Runs :func:`serve` in a fresh interpreter with the allocator settings a trial needs.
 
+    ``spec`` names the model (``kind``), the ``memory_limit`` and the ``lengths`` of the
+    worst-case batches; the cost model comes with each request, so a server can start (and
+    import torch) before the probe has fitted one.
+    """
 
-def trials(spec: dict[str, Any], budgets: Sequence[float], default_malloc: bool) -> list[bool]:
-    """Run :func:`child` for each budget, all at once, each in a fresh interpreter."""
-    children = [
-        subprocess.Popen(
-            [sys.executable, "-m", "benchmarks.probe", "--child", json.dumps({**spec, "budget": budget})],
-            env=_trial_env(default_malloc),
+    def __init__(self, spec: dict[str, Any], default_malloc: bool) -> None:
+        env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+        env["PYTHONPATH"] = os.pathsep.join([str(common.REPO), env.get("PYTHONPATH", "")])
+        if default_malloc:
+            env.pop("MALLOC_MMAP_THRESHOLD_", None)
+        else:
+            env["MALLOC_MMAP_THRESHOLD_"] = "65536"
+        # A file, not a pipe: it never fills up; closed in close().
+        self.stderr = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "benchmarks.probe", "--child", json.dumps(spec)],
+            env=env,
             cwd=common.REPO,
+            stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
+            stderr=self.stderr,
             text=True,
         )
-        for budget in budgets
-    ]
-    results = []
-    for process in children:
-        out, err = process.communicate(timeout=3600)
-        if process.returncode != 0:
-            raise RuntimeError(f"ground-truth child failed:\n{err[-3000:]}")
-        results.append(bool(json.loads(out.strip().splitlines()[-1])["ok"]))
-    return results
+
+    def run(self, cost: dict[str, float], budgets: Sequence[float]) -> list[bool]:
+        """Whether each budget (in units of ``cost``) trains under the limit; the trials run at once."""
+        assert self.process.stdin is not None and self.process.stdout is not None
+        self.process.stdin.write(json.dumps({"cost": cost, "budgets": list(budgets)}) + "\n")
+        self.process.stdin.flush()
+        line = self.process.stdout.readline()
+        results = json.loads(line) if line else None
+        if not results or any("crash" in r for r in results):
+            self.stderr.seek(0)
+            raise RuntimeError(f"ground-truth trial failed: {results}\n{self.stderr.read()[-3000:]}")
+        return [bool(r["ok"]) for r in results]
+
+    def close(self) -> None:
+        """Stop the server: it holds nothing worth a clean exit, which takes seconds with torch loaded."""
+        if self.process.stdin is not None:
+            self.process.stdin.close()
+        self.process.kill()
+        self.process.wait(timeout=60)
+        self.stderr.close()
 
 
-def ground_truth(spec: dict[str, Any], start: float, default_malloc: bool, tolerance: float = 0.02) -> float:
-    """The largest budget that trains under the limit, to ``tolerance``: bracket it, then split the
-    bracket in three with two trials at a time."""
-    low, high = 0.5 * start, 1.5 * start
-    ok_low, ok_high = trials(spec, [low, high], default_malloc)
+def ground_truth(server: TrialServer, cost: dict[str, float], start: float, tolerance: float = 0.02) -> float:
+    """The largest budget that trains under the limit, to ``tolerance``: bracket it (starting
+    from 0.8 and 1.25 times ``start``), then split the bracket in three with two trials at a time."""
+    low, high = 0.8 * start, 1.25 * start
+    ok_low, ok_high = server.run(cost, [low, high])
     while not ok_low:
         high, low = low, low / 2
-        (ok_low,) = trials(spec, [low], default_malloc)
+        (ok_low,) = server.run(cost, [low])
     while ok_high:
         low, high = high, 2 * high
-        (ok_high,) = trials(spec, [high], default_malloc)
+        (ok_high,) = server.run(cost, [high])
     while high / low > 1 + tolerance:
         ratio = high / low
         one, two = low * ratio ** (1 / 3), low * ratio ** (2 / 3)
-        ok_one, ok_two = trials(spec, [one, two], default_malloc)
+        ok_one, ok_two = server.run(cost, [one, two])
         if ok_two:
             low = two
         elif ok_one:
@@ -167,8 +224,19 @@ def ground_truth(spec: dict[str, Any], start: float, default_malloc: bool, toler
     return low
 
 
-def run_case(case: dict[str, Any], quick: bool) -> dict[str, Any]:
-    """Probe one model and measure everything the module docstring lists."""
+def server_spec(case: dict[str, Any]) -> dict[str, Any]:
+    """What a :class:`TrialServer` for ``case`` needs: the worst-case lengths are the longest, the
+    geometric middle and 16."""
+    max_len = case["max_len"]
+    lengths = [max_len, round(math.sqrt(16 * max_len)), 16]
+    return {"kind": case["kind"], "memory_limit": case["memory_limit"], "lengths": lengths}
+
+
+def run_case(case: dict[str, Any], quick: bool, servers: dict[str, TrialServer]) -> dict[str, Any]:
+    """Probe one model and measure everything the module docstring lists.
+
+    ``servers`` may hold trial servers already started, by allocator name; the rest start here.
+    """
     import torch
 
     from tokenbatch.memory_model import estimate_memory
@@ -213,19 +281,17 @@ def run_case(case: dict[str, Any], quick: bool) -> dict[str, Any]:
     row["analytic_over_fit_sequence_at_max_len"] = float(
         estimate.cost_model().sample_cost(max_len) / fit.cost_model().sample_cost(max_len)
     )
-    if quick and case["kind"] != "tiny":
-        return row
     start = time.perf_counter()
     searched = find_max_tokens(model, max_len=max_len, memory_limit=limit, method="search", cost=result.cost)
     row["search_seconds"] = time.perf_counter() - start
     row["search_max_tokens"] = searched.max_tokens
-    spec = {
-        "kind": case["kind"], "cost": row["cost"], "memory_limit": limit,
-        "lengths": [max_len, round(math.sqrt(16 * max_len)), 16],
-    }  # fmt: skip
     allocators = [("mmap_threshold", False)] + ([] if quick else [("default_malloc", True)])
     for name, default_malloc in allocators:
-        largest = ground_truth(spec, result.max_tokens, default_malloc, tolerance=0.05 if quick else 0.02)
+        server = servers.pop(name, None) or TrialServer(server_spec(case), default_malloc)
+        try:
+            largest = ground_truth(server, row["cost"], result.max_tokens, tolerance=0.05 if quick else 0.02)
+        finally:
+            server.close()
         row[f"largest_{name}"] = largest
         row[f"fraction_{name}"] = result.max_tokens / largest
     return row
@@ -279,19 +345,35 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
-        print(json.dumps(child(json.loads(args.child))))
+        serve(json.loads(args.child))
         return 0
     cases: list[dict[str, Any]] = [
         {"name": "tiny-bert", "kind": "tiny", "max_len": 256, "memory_limit": 64 * MiB, "held_out": 8},
-        {
-            "name": "all-MiniLM-L6-v2", "kind": "minilm", "max_len": 128 if args.quick else 256,
-            "memory_limit": (768 if args.quick else 1024) * MiB, "held_out": 3 if args.quick else 6,
-        },
-    ]  # fmt: skip
+    ]
+    if not args.quick:
+        # Its steps take a second or more each on CPU, and only batches of a thousand tokens and up
+        # lift the forward + backward peak clear of the optimizer step's (AdamW: 436 MiB).
+        cases.append(
+            {
+                "name": "all-MiniLM-L6-v2",
+                "kind": "minilm",
+                "max_len": 256,
+                "memory_limit": 1024 * MiB,
+                "held_out": 6,
+            }
+        )
+    # The first trial server imports torch and builds its model while this process does the same
+    # (untimed), and usually waits idle by the time the probe is timed; the others start when their
+    # turn comes, after the probe and the search they might slow down.
+    first = {"mmap_threshold": TrialServer(server_spec(cases[0]), default_malloc=False)}
     rows = []
-    for case in cases:
-        print(f"probing {case['name']} ...", file=sys.stderr, flush=True)
-        rows.append(run_case(case, args.quick))
+    try:
+        for index, case in enumerate(cases):
+            print(f"probing {case['name']} ...", file=sys.stderr, flush=True)
+            rows.append(run_case(case, args.quick, first if index == 0 else {}))
+    finally:
+        for server in first.values():  # left over only when the case failed before its ground truth
+            server.close()
     common.write_results("probe", args.out, {"quick": args.quick, "rows": rows}, markdown(rows))
     print(markdown(rows))
     return 0

@@ -29,6 +29,7 @@ model's memory.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import resource
@@ -127,7 +128,7 @@ def main() -> None:
         return report
 
     step([0])  # warm-up: optimizer state, kernels
-    children = [in_fork(lambda budget=budget: train(budget)) for budget in spec["budgets"]]
+    children = [in_fork(functools.partial(train, budget)) for budget in spec["budgets"]]
     reports = []
     for pid, pipe in children:
         with os.fdopen(pipe) as handle:
