@@ -1,6 +1,7 @@
 """tokenbatch: length-aware dynamic batching under a token budget, with an OOM fallback."""
 
 from tokenbatch.cost import CostModel
+from tokenbatch.oom import OOMEvent, OOMFallback, SampleTooLargeError, is_oom
 from tokenbatch.plan import OversizeSampleError
 from tokenbatch.sampler import PlanStats, TokenBudgetBatchSampler
 
@@ -8,8 +9,12 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CostModel",
+    "OOMEvent",
+    "OOMFallback",
     "OversizeSampleError",
     "PlanStats",
+    "SampleTooLargeError",
     "TokenBudgetBatchSampler",
     "__version__",
+    "is_oom",
 ]
