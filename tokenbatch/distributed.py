@@ -121,21 +121,72 @@ def broadcast_(tensors: Sequence[torch.Tensor], *, src: int = 0, bucket_bytes: i
             _unflatten_into(flat, bucket)
 
 
-def average_(tensors: Sequence[torch.Tensor], *, bucket_bytes: int = 25 * 2**20) -> None:
-    """Replace ``tensors`` in place by their mean over all ranks (no-op on one process).
+class FlatGradients:
+    """Gradients copied into flat buckets, to be averaged over all ranks with one all-reduce per bucket.
 
-    Each tensor is divided by the world size before the sum, as DDP does, so
-    large gradients do not overflow in half precision.
+    Copying happens when the object is made, inside the guarded step, so that
+    running out of memory for the buckets is reported like any other
+    out-of-memory error instead of failing on one rank between collectives.
+    A missing gradient counts as zeros.
     """
-    if not is_initialized() or dist.get_world_size() == 1:
+
+    def __init__(self, params: Sequence[torch.Tensor], *, bucket_bytes: int = 25 * 2**20) -> None:
+        self.params = list(params)
+        self.buckets: list[tuple[torch.Tensor, list[torch.Tensor]]] = []
+        with torch.no_grad():
+            for bucket in _buckets(self.params, bucket_bytes):
+                flat = torch.empty(
+                    sum(p.numel() for p in bucket), dtype=bucket[0].dtype, device=bucket[0].device
+                )
+                offset = 0
+                for param in bucket:
+                    part = flat[offset : offset + param.numel()]
+                    if param.grad is None:
+                        part.zero_()
+                    else:
+                        part.copy_(param.grad.reshape(-1))
+                    offset += param.numel()
+                self.buckets.append((flat, bucket))
+
+    def average_into_grads(self, present: Sequence[bool]) -> None:
+        """Average over ranks and write back into ``.grad`` of the parameters some rank has a gradient for.
+
+        Each bucket is divided by the world size before the sum, as DDP does,
+        so that large gradients do not overflow in half precision.
+        """
+        world = dist.get_world_size() if is_initialized() else 1
+        keep = dict(zip(map(id, self.params), present, strict=True))
+        with torch.no_grad():
+            for flat, bucket in self.buckets:
+                if world > 1:
+                    flat.div_(world)
+                    dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+                offset = 0
+                for param in bucket:
+                    part = flat[offset : offset + param.numel()].view_as(param)
+                    offset += param.numel()
+                    if not keep[id(param)]:
+                        continue  # no rank used it: leave .grad None, as DDP does
+                    if param.grad is None:
+                        param.grad = part.clone()
+                    else:
+                        param.grad.copy_(part)
+        self.buckets = []
+
+
+def broadcast_module_buffers(ddp: torch.nn.parallel.DistributedDataParallel) -> None:
+    """DDP's buffer broadcast from rank 0, done by hand where the caller knows every rank arrives.
+
+    Does what DDP does at the start of its forward when its settings ask for
+    it (``forward_sync_buffers``, formerly ``broadcast_buffers``).
+    """
+    enabled = getattr(ddp, "forward_sync_buffers", getattr(ddp, "broadcast_buffers", True))
+    if not enabled or not ddp.require_forward_param_sync:
         return
-    world = dist.get_world_size()
-    with torch.no_grad():
-        for bucket in _buckets(tensors, bucket_bytes):
-            flat = torch.cat([t.reshape(-1) for t in bucket])
-            flat.div_(world)
-            dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-            _unflatten_into(flat, bucket)
+    ignored = set(getattr(ddp, "parameters_to_ignore", ()))
+    buffers = [b for name, b in ddp.module.named_buffers() if name not in ignored]
+    if buffers:
+        broadcast_(buffers, src=0)
 
 
 def _unflatten_into(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:

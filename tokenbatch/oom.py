@@ -11,17 +11,26 @@ collective it will not reach.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
 import torch
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 
 from tokenbatch import _checks, distributed
-from tokenbatch._oom_types import OOMEvent, RankFailedError, SampleTooLargeError, free_memory, is_oom
+from tokenbatch._oom_types import (
+    ERROR,
+    OK,
+    OOM,
+    OOMEvent,
+    RankFailedError,
+    SampleTooLargeError,
+    free_memory,
+    is_oom,
+    next_event,
+)
+from tokenbatch._runner import Piece, StepRunner, raise_on_every_rank
 from tokenbatch._split import BatchShape, inspect_batch, split_batch
 from tokenbatch.budget_cache import BudgetCache, BudgetKey
 from tokenbatch.plan import OversizeSampleError
@@ -33,8 +42,6 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 MODES = ("split", "halve")
-_OK, _OOM, _ERROR = 0.0, 1.0, 2.0
-_PHASES = ("", "forward", "backward")
 _DEFAULT_BUCKET_BYTES = 25 * 2**20
 
 
@@ -114,7 +121,7 @@ class OOMFallback:
         self.pad_token_id = pad_token_id
         self.trim_padding = bool(trim_padding)
         self.events: list[OOMEvent] = []
-        self._ddp = model if isinstance(model, DistributedDataParallel) else None
+        self._runner = StepRunner(model, accelerator)
         self._micro_tokens = sampler.max_tokens  # split mode: the budget one forward/backward must fit
         self._epoch = sampler.epoch
         self._steps_done = self._first_step()
@@ -122,9 +129,6 @@ class OOMFallback:
         self._iterating = False
         self.restart_pending = False
         """After a halve-mode re-plan: the DataLoader must be iterated afresh (``iterate`` does it)."""
-        self._phase = ""
-        self._tried_rows: Any = None  # rows of the micro-batch being run (None: the whole batch)
-        self._warned_accumulation = False
         self.remember = remember
         self.cache = cache if cache is not None or remember is None else BudgetCache()
         self._cache_pending = False
@@ -226,15 +230,16 @@ class OOMFallback:
         """
         step = self._step if self._iterating else self._steps_done
         if not self._iterating and self.sampler.epoch != self._epoch:
-            self._epoch, step = self.sampler.epoch, 0
-        ddp = self._ddp
+            self._epoch = self.sampler.epoch
+            step = self._steps_done = self._first_step()
+        runner, ddp = self._runner, self._runner.ddp
         world = distributed.world_size() if distributed.is_initialized() else 1
         sync = ddp is not None and world > 1 and bool(getattr(self.accelerator, "sync_gradients", True))
-        params = [p for p in self.model.parameters() if p.requires_grad]
+        params = runner.params()
         had_grads = any(p.grad is not None for p in params)
         forward_sync = ddp.require_forward_param_sync if ddp is not None else False
         if ddp is not None and world > 1:
-            self._sync_buffers(ddp)
+            distributed.broadcast_module_buffers(ddp)  # before anything that can fail
         try:
             shape: BatchShape | None = None
             pieces = None
@@ -243,43 +248,56 @@ class OOMFallback:
                 if shape.cost(self.sampler.cost) > self._micro_tokens:
                     pieces = self._split(batch, shape)
             loss: torch.Tensor | None = None
+            flat: distributed.FlatGradients | None = None
             attempt = 0
             while True:
-                row = [_OK, 0.0, 0.0, 0.0, 0.0]
-                error: Exception | None = None
+                row, error = [OK, 0.0, 0.0, 0.0, 0.0], None
                 if loss is None:
                     try:
-                        loss = self._forward_backward(batch, pieces, loss_fn)
+                        loss = runner.run(batch, pieces, loss_fn)
+                        if sync:  # buckets allocated here, where running out of memory is caught
+                            flat = distributed.FlatGradients(params, bucket_bytes=self._bucket_bytes())
                     except Exception as exc:
-                        if not is_oom(exc):
-                            error = exc
-                            row = [_ERROR, float(_PHASES.index(self._phase)), 0.0, 0.0, 0.0]
-                        else:
+                        loss = flat = None
+                        if is_oom(exc):
                             shape = shape or inspect_batch(batch, self.pad_token_id)
-                            row = self._oom_row(shape)
+                            row = runner.oom_row(shape, self.sampler.cost)
                             logger.debug("rank %d: %s", distributed.rank(), str(exc).splitlines()[0])
+                        else:
+                            error = exc
+                            row = runner.error_row()
                     # Out of the except block, the traceback (and the activations its frames hold) is gone.
-                    if row[0] == _OOM:
-                        self._drop_grads(params, had_grads)
+                    if row[0] == OOM:
+                        runner.drop_grads(params, had_grads)
                         free_memory()
                 flags = [p.grad is not None for p in params] if sync else []
                 rows, any_grad = distributed.share_rows(row, flags)
-                if any(r[0] == _ERROR for r in rows):
-                    self._raise_error(rows, error, step)
-                if not any(r[0] == _OOM for r in rows):
+                if any(r[0] == ERROR for r in rows):
+                    raise_on_every_rank(rows, error, f"epoch {self.sampler.epoch}, step {step}")
+                if not any(r[0] == OOM for r in rows):
                     break
-                event = self._record(rows, step, attempt)
+                event = next_event(
+                    rows,
+                    epoch=self.sampler.epoch,
+                    step=step,
+                    mode=self.mode,
+                    max_tokens=self.max_tokens,
+                    factor=self.factor,
+                    min_tokens=self.min_tokens,
+                    attempt=attempt,
+                )
+                self._record(event)
                 if self.mode == "halve":
-                    self._drop_grads(params, had_grads)
+                    runner.drop_grads(params, had_grads)
                     self._replan(event)
                     return None
                 self._micro_tokens = event.new_max_tokens
                 if loss is None:
-                    assert shape is not None  # set when this rank ran out of memory
+                    assert shape is not None  # inspected when this rank ran out of memory
                     pieces = self._split(batch, shape)
                 attempt += 1
-            if sync:
-                self._average_gradients(params, any_grad, ddp)
+            if flat is not None:
+                flat.average_into_grads(any_grad)
         finally:
             if ddp is not None:
                 ddp.require_forward_param_sync = forward_sync
@@ -287,106 +305,19 @@ class OOMFallback:
         self._save_budget()
         return loss
 
-    # -- one attempt -------------------------------------------------------------------
+    def _bucket_bytes(self) -> int:
+        return int(getattr(self._runner.ddp, "bucket_bytes_cap", _DEFAULT_BUCKET_BYTES))
 
-    def _split(self, batch: Any, shape: BatchShape) -> list[tuple[Any, float, Any]]:
+    def _split(self, batch: Any, shape: BatchShape) -> list[Piece]:
         return split_batch(
-            batch,
-            shape,
-            self.sampler.cost,
-            self._micro_tokens,
-            weight=self.weight,
-            trim=self.trim_padding,
+            batch, shape, self.sampler.cost, self._micro_tokens, weight=self.weight, trim=self.trim_padding
         )
 
-    def _forward_backward(
-        self, batch: Any, pieces: list[tuple[Any, float, Any]] | None, loss_fn: Callable[[Any], torch.Tensor]
-    ) -> torch.Tensor:
-        parts = [(batch, 1.0, None)] if pieces is None else pieces
-        total: torch.Tensor | None = None
-        context = self._ddp.no_sync() if self._ddp is not None else contextlib.nullcontext()
-        with context:
-            for part, share, rows in parts:
-                self._tried_rows = rows
-                self._phase = "forward"
-                if self._ddp is not None:
-                    # DDP would broadcast buffers here, where a rank that already failed never comes.
-                    self._ddp.require_forward_param_sync = False
-                loss = _check_loss(loss_fn(part))
-                self._phase = "backward"
-                # Not split: the loss as returned, so a step without OOM is exactly the plain one.
-                scaled = loss if pieces is None else loss * share
-                if self.accelerator is not None:
-                    self.accelerator.backward(scaled)
-                else:
-                    torch.autograd.backward(scaled)
-                value = scaled.detach()
-                total = value if total is None else total + value
-        assert total is not None
-        return total
-
-    def _oom_row(self, shape: BatchShape) -> list[float]:
-        """This rank's report of an out-of-memory error: phase, failed cost, longest row, rows."""
-        rows = self._tried_rows
-        failed = shape.lengths if rows is None else shape.lengths[rows]
-        return [
-            _OOM,
-            float(_PHASES.index(self._phase)),
-            float(len(failed) * self.sampler.cost.sample_cost(int(failed.max()))),
-            float(failed.max()),
-            float(len(failed)),
-        ]
-
-    # -- after the agreement -------------------------------------------------------------
-
-    def _record(self, rows: list[list[float]], step: int, attempt: int) -> OOMEvent:
-        """The event every rank derives from the shared rows; raises when no smaller budget is left."""
-        failing = [r for r, row in enumerate(rows) if row[0] == _OOM]
-        old = self.max_tokens
-        largest = max(rows[r][2] for r in failing)
-        longest = int(max(rows[r][3] for r in failing))
-        new = self.factor * min(old, largest)
-        single = [r for r in failing if rows[r][4] == 1]
-        event = OOMEvent(
-            epoch=self.sampler.epoch,
-            step=step,
-            mode=self.mode,
-            old_max_tokens=old,
-            new_max_tokens=new,
-            longest=longest,
-            ranks=tuple(failing),
-            where=tuple(_PHASES[int(rows[r][1])] for r in failing),
-            attempt=attempt,
-        )
-        if single:
-            rank = single[0]
-            raise SampleTooLargeError(
-                f"a single sample of {int(rows[rank][3])} tokens ran out of memory on its own "
-                f"(rank {rank}, epoch {event.epoch}, step {step}, max_tokens={old:g}); nothing smaller is "
-                f"left to try: truncate sequences below {int(rows[rank][3])} tokens (the tokenizer's "
-                f"max_length), or free memory (a smaller model or dtype, gradient checkpointing)",
-                length=int(rows[rank][3]),
-                max_tokens=old,
-                step=step,
-                rank=rank,
-            )
-        if self.min_tokens is not None:
-            if old <= self.min_tokens:
-                raise SampleTooLargeError(
-                    f"out of memory at epoch {event.epoch}, step {step} on rank(s) {list(failing)} "
-                    f"(longest sequence {longest} tokens) with max_tokens={old:g} already at "
-                    f"min_tokens={self.min_tokens:g}; lower min_tokens, truncate sequences, or free memory",
-                    length=longest,
-                    max_tokens=old,
-                    step=step,
-                    rank=failing[0],
-                )
-            event = event.replace(new_max_tokens=max(new, self.min_tokens))
+    def _record(self, event: OOMEvent) -> None:
         self.events.append(event)
         self._cache_pending = True
         if distributed.rank() == 0:
             logger.warning("%s", event)
-        return event
 
     def _replan(self, event: OOMEvent) -> None:
         try:
@@ -401,55 +332,6 @@ class OOMFallback:
                 rank=event.ranks[0],
             ) from error
         self.restart_pending = True
-
-    def _raise_error(self, rows: list[list[float]], error: Exception | None, step: int) -> None:
-        """Raise on every rank: the original error where it happened, RankFailedError elsewhere."""
-        summary = None if error is None else f"{type(error).__name__}: {error}"
-        summaries = distributed.all_gather_objects(summary)  # every rank knows to come here
-        if error is not None:
-            raise error
-        rank = next(r for r, row in enumerate(rows) if row[0] == _ERROR)
-        raise RankFailedError(
-            f"rank {rank} raised {summaries[rank]} during {_PHASES[int(rows[rank][1])] or 'its step'} "
-            f"at epoch {self.sampler.epoch}, step {step}; this rank stops too rather than wait for it "
-            f"(see rank {rank}'s traceback)",
-            rank=rank,
-            error=str(summaries[rank]),
-        )
-
-    def _drop_grads(self, params: list[nn.Parameter], had_grads: bool) -> None:
-        if had_grads and not self._warned_accumulation:
-            self._warned_accumulation = True
-            logger.warning(
-                "gradients accumulated before this step are dropped with the failed step's; "
-                "OOMFallback expects optimizer.zero_grad() after every optimizer.step()"
-            )
-        for param in params:
-            param.grad = None
-
-    # -- collectives -------------------------------------------------------------------
-
-    def _sync_buffers(self, ddp: DistributedDataParallel) -> None:
-        """DDP's per-forward buffer broadcast, moved to the top of the step where every rank arrives."""
-        if not getattr(ddp, "forward_sync_buffers", getattr(ddp, "broadcast_buffers", True)):
-            return
-        if not ddp.require_forward_param_sync:
-            return
-        ignored = set(getattr(ddp, "parameters_to_ignore", ()))
-        buffers = [b for name, b in ddp.module.named_buffers() if name not in ignored]
-        if buffers:
-            distributed.broadcast_(buffers, src=0)
-
-    def _average_gradients(
-        self, params: list[nn.Parameter], any_grad: list[bool], ddp: DistributedDataParallel | None
-    ) -> None:
-        grads = []
-        for param, present in zip(params, any_grad, strict=True):
-            if present:
-                if param.grad is None:  # unused here but used on another rank, as DDP does
-                    param.grad = torch.zeros_like(param)
-                grads.append(param.grad)
-        distributed.average_(grads, bucket_bytes=getattr(ddp, "bucket_bytes_cap", _DEFAULT_BUCKET_BYTES))
 
     # -- remembering the budget ----------------------------------------------------------
 
@@ -476,13 +358,3 @@ class OOMFallback:
         self._cache_pending = False
         if self.remember is not None and self.cache is not None and distributed.rank() == 0:
             self.cache.put(self.remember, self.max_tokens, source="oom", mode=self.mode)
-
-
-def _check_loss(loss: Any) -> torch.Tensor:
-    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-        raise TypeError(
-            f"loss_fn should return the batch's loss as a scalar tensor (e.g. lambda batch: "
-            f"model(**batch).loss), but it returned {type(loss).__name__}"
-            + (f" of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else "")
-        )
-    return loss
