@@ -106,6 +106,13 @@ def test_prefetching_loaders_lose_and_repeat_nothing() -> None:
         assert len(fallback.events) >= 1 and fallback.steps_done == fallback.sampler.plan.num_steps
 
 
+def test_a_dataloader_the_sampler_does_not_feed_is_refused() -> None:
+    sampler = TokenBudgetBatchSampler(LENGTHS, 256, seed=0)
+    other = DataLoader(ROWS, batch_sampler=TokenBudgetBatchSampler(LENGTHS, 256, seed=0), collate_fn=collate)
+    with pytest.raises(ValueError, match="batch samplers are TokenBudgetBatchSampler"):
+        next(OOMFallback(sampler, tiny_bert(0)).iterate(other))
+
+
 def test_one_sample_that_cannot_fit_raises_instead_of_looping() -> None:
     with pytest.raises(SampleTooLargeError, match="single sample of") as info:
         train("split", limit=3)

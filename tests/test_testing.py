@@ -61,6 +61,13 @@ def test_ranks_times_cost_and_cpu_kind() -> None:
             with contextlib.suppress(torch.OutOfMemoryError):
                 model(ids(2, 2))
     assert (injector.count, injector.calls) == (2, 4)
+    with inject_oom(model, 0, after=2, times=1) as injector:
+        model(ids(2, 2))
+        model(ids(2, 2))
+        with pytest.raises(torch.OutOfMemoryError):
+            model(ids(1, 1))  # the third call, however small
+        model(ids(2, 2))
+    assert (injector.count, injector.calls) == (1, 4)
     with inject_oom(model, 40, cost=CostModel.attention(crossover=4)) as injector:
         model(ids(4, 4))  # 16 tokens, cost 32
         with pytest.raises(RuntimeError, match="out of memory"):

@@ -121,57 +121,60 @@ def broadcast_(tensors: Sequence[torch.Tensor], *, src: int = 0, bucket_bytes: i
             _unflatten_into(flat, bucket)
 
 
-class FlatGradients:
-    """Gradients copied into flat buckets, to be averaged over all ranks with one all-reduce per bucket.
+class GradientAverage:
+    """Gradients made ready to be averaged over all ranks: large ones in place, small ones packed.
 
-    Copying happens when the object is made, inside the guarded step, so that
-    running out of memory for the buckets is reported like any other
-    out-of-memory error instead of failing on one rank between collectives.
-    A missing gradient counts as zeros.
+    Made inside the guarded step, so that running out of memory for the
+    packing buffers is reported like any other out-of-memory error instead of
+    failing on one rank between collectives. Gradients of ``inplace_bytes``
+    or more are all-reduced where they are (no copy, no extra memory); the
+    rest are copied into flat buckets of up to ``bucket_bytes``, so that
+    hundreds of small tensors cost a few collectives. A missing gradient
+    counts as zeros. Which tensor goes where depends only on the parameters,
+    so every rank issues the same collectives in the same order.
     """
 
-    def __init__(self, params: Sequence[torch.Tensor], *, bucket_bytes: int = 25 * 2**20) -> None:
+    def __init__(
+        self,
+        params: Sequence[torch.Tensor],
+        *,
+        bucket_bytes: int = 25 * 2**20,
+        inplace_bytes: int = 2**20,
+    ) -> None:
         self.params = list(params)
-        self.buckets: list[tuple[torch.Tensor, list[torch.Tensor]]] = []
+        # all_reduce needs contiguous tensors; a strided gradient is replaced by a contiguous copy.
+        self._grads = [torch.zeros_like(p) if p.grad is None else p.grad.contiguous() for p in self.params]
+        large = [p.numel() * p.element_size() >= inplace_bytes for p in self.params]
+        self._inplace = [i for i, big in enumerate(large) if big]
+        small = [i for i, big in enumerate(large) if not big]
+        self._buckets: list[tuple[torch.Tensor, list[int]]] = []
         with torch.no_grad():
-            for bucket in _buckets(self.params, bucket_bytes):
-                flat = torch.empty(
-                    sum(p.numel() for p in bucket), dtype=bucket[0].dtype, device=bucket[0].device
-                )
-                offset = 0
-                for param in bucket:
-                    part = flat[offset : offset + param.numel()]
-                    if param.grad is None:
-                        part.zero_()
-                    else:
-                        part.copy_(param.grad.reshape(-1))
-                    offset += param.numel()
-                self.buckets.append((flat, bucket))
+            for bucket in _buckets([self.params[i] for i in small], bucket_bytes):
+                indices, small = small[: len(bucket)], small[len(bucket) :]
+                flat = torch.cat([self._grads[i].reshape(-1) for i in indices])
+                self._buckets.append((flat, indices))
 
     def average_into_grads(self, present: Sequence[bool]) -> None:
-        """Average over ranks and write back into ``.grad`` of the parameters some rank has a gradient for.
+        """Average over ranks into ``.grad`` of the parameters some rank has a gradient for.
 
-        Each bucket is divided by the world size before the sum, as DDP does,
+        Each tensor is divided by the world size before the sum, as DDP does,
         so that large gradients do not overflow in half precision.
         """
         world = dist.get_world_size() if is_initialized() else 1
-        keep = dict(zip(map(id, self.params), present, strict=True))
         with torch.no_grad():
-            for flat, bucket in self.buckets:
+            for index in self._inplace:
+                if world > 1:
+                    self._grads[index].div_(world)
+                    dist.all_reduce(self._grads[index], op=dist.ReduceOp.SUM)
+            for flat, indices in self._buckets:
                 if world > 1:
                     flat.div_(world)
                     dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-                offset = 0
-                for param in bucket:
-                    part = flat[offset : offset + param.numel()].view_as(param)
-                    offset += param.numel()
-                    if not keep[id(param)]:
-                        continue  # no rank used it: leave .grad None, as DDP does
-                    if param.grad is None:
-                        param.grad = part.clone()
-                    else:
-                        param.grad.copy_(part)
-        self.buckets = []
+                _unflatten_into(flat, [self._grads[i] for i in indices])
+        for param, grad, keep in zip(self.params, self._grads, present, strict=True):
+            # No rank used it: leave .grad None, as DDP does; used elsewhere only: the average.
+            param.grad = grad if keep else None
+        self._grads, self._buckets = [], []
 
 
 def broadcast_module_buffers(ddp: torch.nn.parallel.DistributedDataParallel) -> None:

@@ -185,6 +185,7 @@ class OOMFallback:
         batches it read ahead from the old plan) is closed, and a fresh one
         resumes at the first step not yet trained.
         """
+        self._check_feeds(dataloader)
         self._epoch = self.sampler.epoch
         self._steps_done = self._first_step()
         step = self._steps_done
@@ -204,13 +205,34 @@ class OOMFallback:
                 finally:
                     close = getattr(iterator, "close", None)
                     if callable(close):
-                        close()
-                    del iterator
+                        close()  # a generator (accelerate's DataLoaderShard) stops reading ahead
+                    del iterator  # a DataLoader iterator shuts its workers down when dropped
+                    end = getattr(dataloader, "end", None)
+                    if self.restart_pending and callable(end) and hasattr(dataloader, "gradient_state"):
+                        # accelerate registers a DataLoader with its GradientState until the end of
+                        # an iteration, and an abandoned one never gets there: end it here.
+                        end()
                 if not self.restart_pending:
                     return
                 step = self._steps_done
         finally:
             self._iterating = False
+
+    def _check_feeds(self, dataloader: object) -> None:
+        """Refuse a DataLoader that the sampler does not feed (re-plans would not reach it)."""
+        source: Any = dataloader
+        seen: list[str] = []
+        while getattr(source, "batch_sampler", None) is not None and len(seen) < 4:
+            source = source.batch_sampler  # DataLoader -> accelerate's BatchSamplerShard -> ...
+            seen.append(type(source).__name__)
+            if source is self.sampler:
+                return
+        if seen:
+            raise ValueError(
+                f"dataloader should draw its batches from this fallback's sampler, but its batch "
+                f"samplers are {' -> '.join(seen)}; pass DataLoader(dataset, batch_sampler=sampler) "
+                f"(prepared by accelerate or not) for the sampler given to OOMFallback"
+            )
 
     def backward(self, batch: Any, loss_fn: Callable[[Any], torch.Tensor]) -> torch.Tensor | None:
         """Run ``loss_fn(batch)`` and its backward pass; on out-of-memory, recover on every rank.
@@ -248,7 +270,7 @@ class OOMFallback:
                 if shape.cost(self.sampler.cost) > self._micro_tokens:
                     pieces = self._split(batch, shape)
             loss: torch.Tensor | None = None
-            flat: distributed.FlatGradients | None = None
+            average: distributed.GradientAverage | None = None
             attempt = 0
             while True:
                 row, error = [OK, 0.0, 0.0, 0.0, 0.0], None
@@ -256,9 +278,9 @@ class OOMFallback:
                     try:
                         loss = runner.run(batch, pieces, loss_fn)
                         if sync:  # buckets allocated here, where running out of memory is caught
-                            flat = distributed.FlatGradients(params, bucket_bytes=self._bucket_bytes())
+                            average = distributed.GradientAverage(params, bucket_bytes=self._bucket_bytes())
                     except Exception as exc:
-                        loss = flat = None
+                        loss = average = None
                         if is_oom(exc):
                             shape = shape or inspect_batch(batch, self.pad_token_id)
                             row = runner.oom_row(shape, self.sampler.cost)
@@ -296,8 +318,8 @@ class OOMFallback:
                     assert shape is not None  # inspected when this rank ran out of memory
                     pieces = self._split(batch, shape)
                 attempt += 1
-            if flat is not None:
-                flat.average_into_grads(any_grad)
+            if average is not None:
+                average.average_into_grads(any_grad)
         finally:
             if ddp is not None:
                 ddp.require_forward_param_sync = forward_sync
