@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from tokenbatch import _checks, distributed
+from tokenbatch._epoch import EpochCursor
 from tokenbatch._oom_types import (
     ERROR,
     OK,
@@ -71,16 +72,30 @@ class OOMFallback:
             budget cached for it if smaller, and cache the budget after each change.
         cache: the cache file for ``remember`` (default ``BudgetCache()``).
 
+    The training loop keeps its usual shape::
+
+        for batch in fallback.iterate(train_dataloader):
+            loss = fallback.backward(batch, lambda b: model(**b).loss)
+            if loss is not None:  # None: the step was dropped (halve mode)
+                optimizer.step()
+                optimizer.zero_grad()
+
     Example:
         >>> import torch
         >>> from tokenbatch import OOMFallback, TokenBudgetBatchSampler
-        >>> sampler = TokenBudgetBatchSampler([3, 5, 2, 4], max_tokens=8, seed=0)
-        >>> model = torch.nn.Linear(1, 1)
-        >>> fallback = OOMFallback(sampler, model, mode="halve")
-        >>> batches = [torch.ones(len(b), 1) for b in sampler]
-        >>> losses = [fallback.backward(x, lambda x: model(x).mean()) for x in fallback.iterate(batches)]
-        >>> fallback.steps_done, fallback.events
-        (3, [])
+        >>> from tokenbatch.testing import inject_oom
+        >>> sampler = TokenBudgetBatchSampler([4] * 12, max_tokens=16, seed=0)
+        >>> model = torch.nn.Linear(4, 1)
+        >>> fallback = OOMFallback(sampler, model, mode="split")
+        >>> batches = [torch.ones(len(indices), 4) for indices in sampler]
+        >>> with inject_oom(model, max_tokens=8, times=1):  # a batch of 16 tokens "runs out of memory"
+        ...     losses = [fallback.backward(x, lambda x: model(x).square().mean())
+        ...               for x in fallback.iterate(batches)]
+        >>> event = fallback.events[0]
+        >>> event.step, event.where, event.old_max_tokens, event.new_max_tokens, fallback.max_tokens
+        (0, ('forward',), 16.0, 8.0, 8.0)
+        >>> fallback.steps_done == sampler.plan.num_steps and None not in losses
+        True
     """
 
     def __init__(
@@ -123,12 +138,7 @@ class OOMFallback:
         self.events: list[OOMEvent] = []
         self._runner = StepRunner(model, accelerator)
         self._micro_tokens = sampler.max_tokens  # split mode: the budget one forward/backward must fit
-        self._epoch = sampler.epoch
-        self._steps_done = self._first_step()
-        self._step = self._steps_done
-        self._iterating = False
-        self.restart_pending = False
-        """After a halve-mode re-plan: the DataLoader must be iterated afresh (``iterate`` does it)."""
+        self._cursor = EpochCursor(sampler)
         self.remember = remember
         self.cache = cache if cache is not None or remember is None else BudgetCache()
         self._cache_pending = False
@@ -145,7 +155,12 @@ class OOMFallback:
     @property
     def steps_done(self) -> int:
         """Steps trained in this epoch: what to pass to ``sampler.state_dict(steps_done=...)``."""
-        return self._steps_done
+        return self._cursor.steps_done
+
+    @property
+    def restart_pending(self) -> bool:
+        """After a halve-mode re-plan: the DataLoader must be iterated afresh (``iterate`` does it)."""
+        return self._cursor.restart_pending
 
     def state_dict(self) -> dict[str, Any]:
         """The budget and events, to save beside the sampler's ``state_dict``."""
@@ -172,67 +187,17 @@ class OOMFallback:
 
     # -- the loop ------------------------------------------------------------------
 
-    def _first_step(self) -> int:
-        """The step the sampler's next iteration starts at (after a resume or re-plan)."""
-        plan = self.sampler.plan
-        per_step = 1 if self.sampler.rank is not None else plan.num_replicas
-        return plan.num_steps - len(self.sampler) // per_step
-
     def iterate(self, dataloader: Iterable[T]) -> Iterator[T]:
         """The batches of ``dataloader`` for this epoch, across any re-plans.
 
         After a halve-mode re-plan the abandoned DataLoader iterator (and the
         batches it read ahead from the old plan) is closed, and a fresh one
         resumes at the first step not yet trained.
-        """
-        self._check_feeds(dataloader)
-        self._epoch = self.sampler.epoch
-        self._steps_done = self._first_step()
-        step = self._steps_done
-        self._iterating = True
-        try:
-            while True:
-                self.restart_pending = False
-                iterator = iter(dataloader)
-                try:
-                    for batch in iterator:
-                        self._step = step
-                        yield batch
-                        if self.restart_pending:
-                            break
-                        step += 1
-                        self._steps_done = max(self._steps_done, step)
-                finally:
-                    close = getattr(iterator, "close", None)
-                    if callable(close):
-                        close()  # a generator (accelerate's DataLoaderShard) stops reading ahead
-                    del iterator  # a DataLoader iterator shuts its workers down when dropped
-                    end = getattr(dataloader, "end", None)
-                    if self.restart_pending and callable(end) and hasattr(dataloader, "gradient_state"):
-                        # accelerate registers a DataLoader with its GradientState until the end of
-                        # an iteration, and an abandoned one never gets there: end it here.
-                        end()
-                if not self.restart_pending:
-                    return
-                step = self._steps_done
-        finally:
-            self._iterating = False
 
-    def _check_feeds(self, dataloader: object) -> None:
-        """Refuse a DataLoader that the sampler does not feed (re-plans would not reach it)."""
-        source: Any = dataloader
-        seen: list[str] = []
-        while getattr(source, "batch_sampler", None) is not None and len(seen) < 4:
-            source = source.batch_sampler  # DataLoader -> accelerate's BatchSamplerShard -> ...
-            seen.append(type(source).__name__)
-            if source is self.sampler:
-                return
-        if seen:
-            raise ValueError(
-                f"dataloader should draw its batches from this fallback's sampler, but its batch "
-                f"samplers are {' -> '.join(seen)}; pass DataLoader(dataset, batch_sampler=sampler) "
-                f"(prepared by accelerate or not) for the sampler given to OOMFallback"
-            )
+        Raises:
+            ValueError: ``dataloader`` does not draw its batches from the sampler.
+        """
+        return self._cursor.iterate(dataloader)
 
     def backward(self, batch: Any, loss_fn: Callable[[Any], torch.Tensor]) -> torch.Tensor | None:
         """Run ``loss_fn(batch)`` and its backward pass; on out-of-memory, recover on every rank.
@@ -250,10 +215,7 @@ class OOMFallback:
             RankFailedError: another rank raised an error that is not out-of-memory
                 (that rank re-raises its own error unchanged).
         """
-        step = self._step if self._iterating else self._steps_done
-        if not self._iterating and self.sampler.epoch != self._epoch:
-            self._epoch = self.sampler.epoch
-            step = self._steps_done = self._first_step()
+        step = self._cursor.current_step()
         runner, ddp = self._runner, self._runner.ddp
         world = distributed.world_size() if distributed.is_initialized() else 1
         sync = ddp is not None and world > 1 and bool(getattr(self.accelerator, "sync_gradients", True))
@@ -323,7 +285,7 @@ class OOMFallback:
         finally:
             if ddp is not None:
                 ddp.require_forward_param_sync = forward_sync
-        self._steps_done = step + 1
+        self._cursor.steps_done = step + 1
         self._save_budget()
         return loss
 
@@ -353,7 +315,7 @@ class OOMFallback:
                 step=event.step,
                 rank=event.ranks[0],
             ) from error
-        self.restart_pending = True
+        self._cursor.restart_pending = True
 
     # -- remembering the budget ----------------------------------------------------------
 
@@ -367,7 +329,7 @@ class OOMFallback:
             self._micro_tokens = cached
         else:
             try:
-                self.sampler.replan(cached, steps_done=self._steps_done)
+                self.sampler.replan(cached, steps_done=self._cursor.steps_done)
             except OversizeSampleError as error:
                 logger.warning("not starting from the cached max_tokens=%g for %s: %s", cached, key, error)
                 return
