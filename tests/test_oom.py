@@ -212,3 +212,47 @@ def test_wrong_sampler_or_model_type() -> None:
         OOMFallback([[0, 1]], tiny_bert(0))  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"torch\.nn\.Module"):
         OOMFallback(TokenBudgetBatchSampler(LENGTHS, 256), lambda x: x)  # type: ignore[arg-type]
+
+
+def test_without_iterate_the_caller_restarts_after_a_replan() -> None:
+    """As a Trainer integration would: batches drawn directly, restart_pending says when to start over."""
+    model = tiny_bert(0)
+    sampler = TokenBudgetBatchSampler(LENGTHS, 256, seed=0)
+    loader = DataLoader(ROWS, batch_sampler=sampler, collate_fn=collate)
+    fallback = OOMFallback(sampler, model, mode="halve")
+    trained: list[int] = []
+    restarts = 0
+    with inject_oom(model, 200):
+        while True:
+            for batch in loader:
+                if fallback.backward(batch, loss_fn(model)) is None:
+                    assert fallback.restart_pending
+                    break
+                trained += batch["idx"].tolist()
+                model.zero_grad()
+            else:
+                break
+            restarts += 1
+    assert restarts == len(fallback.events) == 1 and fallback.steps_done == sampler.plan.num_steps
+    assert sorted(trained) == list(range(64))
+
+
+def test_token_weights_split_a_token_averaged_loss_exactly() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(64, 8), torch.nn.Linear(8, 1))
+
+    def token_mean(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        mask = batch["attention_mask"].float()
+        scores = model(batch["input_ids"]).squeeze(-1)
+        return (scores.square() * mask).sum() / mask.sum()
+
+    batch = collate(ROWS[:12])
+    token_mean(batch).backward()
+    whole = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    fallback = OOMFallback(TokenBudgetBatchSampler(LENGTHS, 256), model, weight="tokens")
+    with inject_oom(model, 60, times=1) as injector:
+        loss = fallback.backward(batch, token_mean)
+    assert injector.count == 1 and fallback.max_tokens < 256 and loss is not None
+    for split_grad, grad in zip([p.grad for p in model.parameters()], whole, strict=True):
+        assert split_grad is not None and torch.allclose(split_grad, grad, atol=1e-6)
