@@ -256,3 +256,14 @@ def test_token_weights_split_a_token_averaged_loss_exactly() -> None:
     assert injector.count == 1 and fallback.max_tokens < 256 and loss is not None
     for split_grad, grad in zip([p.grad for p in model.parameters()], whole, strict=True):
         assert split_grad is not None and torch.allclose(split_grad, grad, atol=1e-6)
+
+
+def test_an_oom_on_a_batch_that_cannot_be_split_is_reported_not_guessed() -> None:
+    fallback = OOMFallback(TokenBudgetBatchSampler(LENGTHS, 256), tiny_bert(0))
+
+    def runs_out(batch: Any) -> torch.Tensor:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")
+
+    with pytest.raises(TypeError, match="cannot split a batch of type dict with no tensor"):
+        fallback.backward({"text": ["a", "b"]}, runs_out)
+    assert fallback.events == []

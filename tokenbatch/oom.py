@@ -12,6 +12,7 @@ collective it will not reach.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
@@ -225,32 +226,12 @@ class OOMFallback:
         if ddp is not None and world > 1:
             distributed.broadcast_module_buffers(ddp)  # before anything that can fail
         try:
-            shape: BatchShape | None = None
-            pieces = None
-            if self.mode == "split" and self._micro_tokens < self.sampler.max_tokens:
-                shape = inspect_batch(batch, self.pad_token_id)
-                if shape.cost(self.sampler.cost) > self._micro_tokens:
-                    pieces = self._split(batch, shape)
-            loss: torch.Tensor | None = None
-            average: distributed.GradientAverage | None = None
+            work = _Work(batch)
             attempt = 0
             while True:
                 row, error = [OK, 0.0, 0.0, 0.0, 0.0], None
-                if loss is None:
-                    try:
-                        loss = runner.run(batch, pieces, loss_fn)
-                        if sync:  # buckets allocated here, where running out of memory is caught
-                            average = distributed.GradientAverage(params, bucket_bytes=self._bucket_bytes())
-                    except Exception as exc:
-                        loss = average = None
-                        if is_oom(exc):
-                            shape = shape or inspect_batch(batch, self.pad_token_id)
-                            row = runner.oom_row(shape, self.sampler.cost)
-                            logger.debug("rank %d: %s", distributed.rank(), str(exc).splitlines()[0])
-                        else:
-                            error = exc
-                            row = runner.error_row()
-                    # Out of the except block, the traceback (and the activations its frames hold) is gone.
+                if work.loss is None:
+                    row, error = self._attempt(work, loss_fn, params, sync)
                     if row[0] == OOM:
                         runner.drop_grads(params, had_grads)
                         free_memory()
@@ -276,18 +257,47 @@ class OOMFallback:
                     self._replan(event)
                     return None
                 self._micro_tokens = event.new_max_tokens
-                if loss is None:
-                    assert shape is not None  # inspected when this rank ran out of memory
-                    pieces = self._split(batch, shape)
                 attempt += 1
-            if average is not None:
-                average.average_into_grads(any_grad)
+            if work.average is not None:
+                work.average.average_into_grads(any_grad)
         finally:
             if ddp is not None:
                 ddp.require_forward_param_sync = forward_sync
         self._cursor.steps_done = step + 1
         self._save_budget()
-        return loss
+        return work.loss
+
+    def _attempt(
+        self, work: _Work, loss_fn: Callable[[Any], torch.Tensor], params: list[nn.Parameter], sync: bool
+    ) -> tuple[list[float], Exception | None]:
+        """Run the batch (split to the micro-batch budget if it is over it); never raises.
+
+        Returns this rank's outcome row, and the error if it was not out-of-memory.
+        Everything that can fail on one rank only happens in here, before the
+        ranks compare outcomes, so no rank is ever left waiting for another.
+        """
+        self._runner.phase, self._runner.rows = "forward", None  # splitting counts as forward
+        try:
+            work.pieces = None
+            if self.mode == "split" and self._micro_tokens < self.sampler.max_tokens:
+                work.shape = work.shape or inspect_batch(work.batch, self.pad_token_id)
+                if work.shape.cost(self.sampler.cost) > self._micro_tokens:
+                    work.pieces = self._split(work.batch, work.shape)
+            work.loss = self._runner.run(work.batch, work.pieces, loss_fn)
+            if sync:  # buckets allocated here, where running out of memory is caught
+                work.average = distributed.GradientAverage(params, bucket_bytes=self._bucket_bytes())
+            return [OK, 0.0, 0.0, 0.0, 0.0], None
+        except Exception as exc:
+            work.loss = work.average = None
+            if not is_oom(exc):
+                return self._runner.error_row(), exc
+            logger.debug("rank %d: %s", distributed.rank(), str(exc).splitlines()[0])
+        # Out of the except block the traceback, and the activations its frames hold, are gone.
+        try:
+            work.shape = work.shape or inspect_batch(work.batch, self.pad_token_id)
+            return self._runner.oom_row(work.shape, self.sampler.cost), None
+        except Exception as unreadable:  # a batch we cannot read: report it rather than guess
+            return self._runner.error_row(), unreadable
 
     def _bucket_bytes(self) -> int:
         return int(getattr(self._runner.ddp, "bucket_bytes_cap", _DEFAULT_BUCKET_BYTES))
@@ -322,9 +332,11 @@ class OOMFallback:
     def _start_from_cache(self, key: BudgetKey) -> None:
         assert self.cache is not None
         entry = self.cache.get(key)
-        if entry is None or float(entry["max_tokens"]) >= self.max_tokens:
+        mine = float(entry["max_tokens"]) if entry is not None else math.inf
+        # Ranks on other machines may read other files: all take the smallest, so plans agree.
+        cached = -distributed.all_reduce_max([-mine], device=distributed.collective_device())[0]
+        if cached >= self.max_tokens:
             return
-        cached = float(entry["max_tokens"])
         if self.mode == "split":
             self._micro_tokens = cached
         else:
@@ -341,4 +353,20 @@ class OOMFallback:
             return
         self._cache_pending = False
         if self.remember is not None and self.cache is not None and distributed.rank() == 0:
-            self.cache.put(self.remember, self.max_tokens, source="oom", mode=self.mode)
+            try:
+                self.cache.put(self.remember, self.max_tokens, source="oom", mode=self.mode)
+            except (OSError, ValueError) as error:  # a cache is a convenience: never stop training for it
+                logger.warning(
+                    "could not remember max_tokens=%g in %s: %s", self.max_tokens, self.cache.path, error
+                )
+
+
+class _Work:
+    """One step's batch and what has been made of it so far."""
+
+    def __init__(self, batch: Any) -> None:
+        self.batch = batch
+        self.shape: BatchShape | None = None
+        self.pieces: list[Piece] | None = None
+        self.loss: torch.Tensor | None = None
+        self.average: distributed.GradientAverage | None = None
