@@ -19,8 +19,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from tokenbatch import distributed
-from tokenbatch._oom_types import ERROR, OOM, PHASES, RankFailedError
-from tokenbatch._split import BatchShape
+from tokenbatch._oom_types import ERROR, OK, OOM, PHASES, RankFailedError, is_oom
+from tokenbatch._split import BatchShape, inspect_batch, split_batch
 from tokenbatch.cost import CostModel
 
 logger = logging.getLogger("tokenbatch.oom")
@@ -29,13 +29,37 @@ Piece = tuple[Any, float, np.ndarray]
 """A micro-batch, its loss weight, and its rows in the batch."""
 
 
+class StepWork:
+    """One step's batch and what has been made of it so far."""
+
+    def __init__(self, batch: Any) -> None:
+        self.batch = batch
+        self.shape: BatchShape | None = None
+        self.pieces: list[Piece] | None = None
+        self.loss: torch.Tensor | None = None
+        self.average: distributed.GradientAverage | None = None
+
+
 class StepRunner:
     """Forward and backward of a batch or its micro-batches for one model, on this rank only."""
 
-    def __init__(self, model: nn.Module, accelerator: Any = None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        accelerator: Any = None,
+        *,
+        cost: CostModel,
+        weight: str | Callable[[Any], float] = "samples",
+        pad_token_id: int | None = None,
+        trim: bool = True,
+    ) -> None:
         self.model = model
         self.ddp = model if isinstance(model, DistributedDataParallel) else None
         self.accelerator = accelerator
+        self.cost = cost
+        self.weight = weight
+        self.pad_token_id = pad_token_id
+        self.trim = trim
         self.phase = ""
         """``"forward"`` or ``"backward"``: where the last attempt was."""
         self.rows: np.ndarray | None = None
@@ -44,6 +68,49 @@ class StepRunner:
 
     def params(self) -> list[nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]
+
+    def attempt(
+        self,
+        work: StepWork,
+        loss_fn: Callable[[Any], Any],
+        params: list[nn.Parameter],
+        *,
+        micro_tokens: float | None,
+        sync: bool,
+    ) -> tuple[list[float], Exception | None]:
+        """Run the batch, split to ``micro_tokens`` if it costs more; never raises.
+
+        Returns this rank's outcome row, and the error if it was not out of
+        memory. Everything that can fail on one rank only (splitting, reading
+        the batch, the forward and backward passes, the gradient buckets)
+        happens in here, before the ranks compare outcomes, so that no rank
+        is ever left waiting for another.
+        """
+        self.phase, self.rows = "forward", None  # splitting counts as forward
+        try:
+            work.pieces = None
+            if micro_tokens is not None:
+                work.shape = work.shape or inspect_batch(work.batch, self.pad_token_id)
+                if work.shape.cost(self.cost) > micro_tokens:
+                    work.pieces = split_batch(
+                        work.batch, work.shape, self.cost, micro_tokens, weight=self.weight, trim=self.trim
+                    )
+            work.loss = self.run(work.batch, work.pieces, loss_fn)
+            if sync:  # buckets allocated here, where running out of memory is caught
+                bucket_bytes = int(getattr(self.ddp, "bucket_bytes_cap", 25 * 2**20))
+                work.average = distributed.GradientAverage(params, bucket_bytes=bucket_bytes)
+            return [OK, 0.0, 0.0, 0.0, 0.0], None
+        except Exception as exc:
+            work.loss = work.average = None
+            if not is_oom(exc):
+                return self.error_row(), exc
+            logger.debug("rank %d: %s", distributed.rank(), str(exc).splitlines()[0])
+        # Out of the except block the traceback, and the activations its frames hold, are gone.
+        try:
+            work.shape = work.shape or inspect_batch(work.batch, self.pad_token_id)
+            return self.oom_row(work.shape), None
+        except Exception as unreadable:  # a batch we cannot read: report it rather than guess
+            return self.error_row(), unreadable
 
     def run(self, batch: Any, pieces: Sequence[Piece] | None, loss_fn: Callable[[Any], Any]) -> torch.Tensor:
         """The detached loss of ``batch`` (or the weighted sum over ``pieces``), gradients accumulated."""
@@ -72,11 +139,11 @@ class StepRunner:
         assert total is not None
         return total
 
-    def oom_row(self, shape: BatchShape, cost: CostModel) -> list[float]:
+    def oom_row(self, shape: BatchShape) -> list[float]:
         """The outcome row for running out of memory in what was last tried."""
         failed = shape.lengths if self.rows is None else shape.lengths[self.rows]
         longest = int(failed.max())
-        return [OOM, float(PHASES.index(self.phase)), float(len(failed) * cost.sample_cost(longest)),
+        return [OOM, float(PHASES.index(self.phase)), float(len(failed) * self.cost.sample_cost(longest)),
                 float(longest), float(len(failed))]  # fmt: skip
 
     def error_row(self) -> list[float]:

@@ -32,8 +32,7 @@ from tokenbatch._oom_types import (
     is_oom,
     next_event,
 )
-from tokenbatch._runner import Piece, StepRunner, raise_on_every_rank
-from tokenbatch._split import BatchShape, inspect_batch, split_batch
+from tokenbatch._runner import StepRunner, StepWork, raise_on_every_rank
 from tokenbatch.budget_cache import BudgetCache, BudgetKey
 from tokenbatch.plan import OversizeSampleError
 from tokenbatch.sampler import TokenBudgetBatchSampler
@@ -44,7 +43,6 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 MODES = ("split", "halve")
-_DEFAULT_BUCKET_BYTES = 25 * 2**20
 
 
 class OOMFallback:
@@ -72,6 +70,15 @@ class OOMFallback:
         remember: a :class:`~tokenbatch.budget_cache.BudgetKey`: start from the
             budget cached for it if smaller, and cache the budget after each change.
         cache: the cache file for ``remember`` (default ``BudgetCache()``).
+
+    Works with a plain module and with DDP (as ``accelerator.prepare`` wraps
+    it); not with FSDP or DeepSpeed, which shard gradients themselves. The
+    guard owns gradient synchronisation: it runs DDP under ``no_sync()`` and
+    averages gradients itself once every rank has succeeded. A failed step's
+    gradients are set to None, so zero them after every optimizer step (no
+    accumulation across ``backward`` calls). Split mode matches an unsplit
+    run up to floating point when the model is deterministic (no dropout);
+    with dropout, micro-batches draw different masks.
 
     The training loop keeps its usual shape::
 
@@ -134,10 +141,15 @@ class OOMFallback:
         if not (weight in ("samples", "tokens") or callable(weight)):
             raise ValueError(f"weight should be 'samples', 'tokens' or a function, but got weight={weight!r}")
         self.weight = weight
-        self.pad_token_id = pad_token_id
-        self.trim_padding = bool(trim_padding)
         self.events: list[OOMEvent] = []
-        self._runner = StepRunner(model, accelerator)
+        self._runner = StepRunner(
+            model,
+            accelerator,
+            cost=sampler.cost,
+            weight=weight,
+            pad_token_id=pad_token_id,
+            trim=bool(trim_padding),
+        )
         self._micro_tokens = sampler.max_tokens  # split mode: the budget one forward/backward must fit
         self._cursor = EpochCursor(sampler)
         self.remember = remember
@@ -226,12 +238,14 @@ class OOMFallback:
         if ddp is not None and world > 1:
             distributed.broadcast_module_buffers(ddp)  # before anything that can fail
         try:
-            work = _Work(batch)
+            work = StepWork(batch)
             attempt = 0
             while True:
                 row, error = [OK, 0.0, 0.0, 0.0, 0.0], None
                 if work.loss is None:
-                    row, error = self._attempt(work, loss_fn, params, sync)
+                    split = self.mode == "split" and self._micro_tokens < self.sampler.max_tokens
+                    micro = self._micro_tokens if split else None
+                    row, error = runner.attempt(work, loss_fn, params, micro_tokens=micro, sync=sync)
                     if row[0] == OOM:
                         runner.drop_grads(params, had_grads)
                         free_memory()
@@ -266,46 +280,6 @@ class OOMFallback:
         self._cursor.steps_done = step + 1
         self._save_budget()
         return work.loss
-
-    def _attempt(
-        self, work: _Work, loss_fn: Callable[[Any], torch.Tensor], params: list[nn.Parameter], sync: bool
-    ) -> tuple[list[float], Exception | None]:
-        """Run the batch (split to the micro-batch budget if it is over it); never raises.
-
-        Returns this rank's outcome row, and the error if it was not out-of-memory.
-        Everything that can fail on one rank only happens in here, before the
-        ranks compare outcomes, so no rank is ever left waiting for another.
-        """
-        self._runner.phase, self._runner.rows = "forward", None  # splitting counts as forward
-        try:
-            work.pieces = None
-            if self.mode == "split" and self._micro_tokens < self.sampler.max_tokens:
-                work.shape = work.shape or inspect_batch(work.batch, self.pad_token_id)
-                if work.shape.cost(self.sampler.cost) > self._micro_tokens:
-                    work.pieces = self._split(work.batch, work.shape)
-            work.loss = self._runner.run(work.batch, work.pieces, loss_fn)
-            if sync:  # buckets allocated here, where running out of memory is caught
-                work.average = distributed.GradientAverage(params, bucket_bytes=self._bucket_bytes())
-            return [OK, 0.0, 0.0, 0.0, 0.0], None
-        except Exception as exc:
-            work.loss = work.average = None
-            if not is_oom(exc):
-                return self._runner.error_row(), exc
-            logger.debug("rank %d: %s", distributed.rank(), str(exc).splitlines()[0])
-        # Out of the except block the traceback, and the activations its frames hold, are gone.
-        try:
-            work.shape = work.shape or inspect_batch(work.batch, self.pad_token_id)
-            return self._runner.oom_row(work.shape, self.sampler.cost), None
-        except Exception as unreadable:  # a batch we cannot read: report it rather than guess
-            return self._runner.error_row(), unreadable
-
-    def _bucket_bytes(self) -> int:
-        return int(getattr(self._runner.ddp, "bucket_bytes_cap", _DEFAULT_BUCKET_BYTES))
-
-    def _split(self, batch: Any, shape: BatchShape) -> list[Piece]:
-        return split_batch(
-            batch, shape, self.sampler.cost, self._micro_tokens, weight=self.weight, trim=self.trim_padding
-        )
 
     def _record(self, event: OOMEvent) -> None:
         self.events.append(event)
@@ -359,14 +333,3 @@ class OOMFallback:
                 logger.warning(
                     "could not remember max_tokens=%g in %s: %s", self.max_tokens, self.cache.path, error
                 )
-
-
-class _Work:
-    """One step's batch and what has been made of it so far."""
-
-    def __init__(self, batch: Any) -> None:
-        self.batch = batch
-        self.shape: BatchShape | None = None
-        self.pieces: list[Piece] | None = None
-        self.loss: torch.Tensor | None = None
-        self.average: distributed.GradientAverage | None = None
