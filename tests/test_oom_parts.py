@@ -129,6 +129,13 @@ def test_micro_batches_cover_every_row_once_within_budget(budget: float) -> None
         assert group_cost <= budget or len(rows) == 1
 
 
+def test_micro_batches_share_rows_evenly_when_they_can() -> None:
+    even = plan_micro_batches(inspect_batch(padded([10] * 13)), CostModel(), 60.0)
+    assert [len(rows) for rows in even] == [5, 4, 4]  # not 6, 6, 1
+    mixed = plan_micro_batches(inspect_batch(padded([10] + [1] * 9)), CostModel(), 10.0)
+    assert [len(rows) for rows in mixed] == [1, 9]  # sharing evenly would not fit: greedy
+
+
 def test_split_trims_right_padding_and_keeps_rows_aligned() -> None:
     batch = padded([8, 2, 3, 7])
     shape = inspect_batch(batch)

@@ -10,6 +10,7 @@ trimmed to its own longest row when the batch is padded on the right.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -84,18 +85,34 @@ def inspect_batch(batch: Any, pad_token_id: int | None = None) -> BatchShape:
 
 
 def plan_micro_batches(shape: BatchShape, cost: CostModel, budget: float) -> list[np.ndarray]:
-    """Rows of each micro-batch, longest first, each within ``budget`` (a row alone may exceed it)."""
+    """Rows of each micro-batch, longest first, each within ``budget`` (a row alone may exceed it).
+
+    Greedy packing along the rows sorted by length gives the fewest
+    micro-batches; the rows are then shared out evenly among that many, when
+    every share still fits, so that no micro-batch is a small remainder.
+    """
     order = np.argsort(-shape.lengths, kind="stable")
-    groups: list[np.ndarray] = []
+    units = cost.sample_cost(shape.lengths[order])  # each row's cost padded to itself, longest first
+
+    def fits(sizes: list[int]) -> bool:
+        starts = np.cumsum([0, *sizes[:-1]])
+        return all(
+            n == 1 or n * float(units[start]) <= budget for start, n in zip(starts, sizes, strict=True)
+        )
+
+    greedy: list[int] = []
     start = 0
     while start < len(order):
-        unit = float(cost.sample_cost(int(shape.lengths[order[start]])))
-        count = max(1, int(budget // unit))
-        while count > 1 and count * unit > budget:  # float division can land one high
+        count = max(1, int(budget // float(units[start])))
+        while count > 1 and count * float(units[start]) > budget:  # float division can land one high
             count -= 1
-        groups.append(np.sort(order[start : start + count]))
-        start += count
-    return groups
+        greedy.append(min(count, len(order) - start))
+        start += greedy[-1]
+    parts = len(greedy)
+    even = [len(order) // parts + (1 if i < len(order) % parts else 0) for i in range(parts)]
+    sizes = even if fits(even) else greedy
+    bounds = np.cumsum([0, *sizes])
+    return [np.sort(order[a:b]) for a, b in itertools.pairwise(bounds)]
 
 
 def take_rows(batch: Any, shape: BatchShape, rows: np.ndarray, width: int | None) -> Any:
