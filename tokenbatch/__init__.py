@@ -2,6 +2,7 @@
 
 from tokenbatch.cost import CostModel
 from tokenbatch.lengths import column_lengths, text_lengths
+from tokenbatch.oom import OOMEvent, OOMFallback, SampleTooLargeError, is_oom
 from tokenbatch.plan import OversizeSampleError
 from tokenbatch.sampler import PlanStats, TokenBudgetBatchSampler
 
@@ -9,10 +10,14 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CostModel",
+    "OOMEvent",
+    "OOMFallback",
     "OversizeSampleError",
     "PlanStats",
+    "SampleTooLargeError",
     "TokenBudgetBatchSampler",
     "__version__",
     "column_lengths",
+    "is_oom",
     "text_lengths",
 ]

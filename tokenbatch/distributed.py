@@ -4,11 +4,16 @@ The only module that touches ``torch.distributed``. When no process group is
 initialised yet, the launchers' environment variables (``WORLD_SIZE`` and
 ``RANK``, set by ``torchrun`` and ``accelerate launch``) answer instead, so a
 sampler built before ``Accelerator()`` still plans for the right world size.
+
+The OOM fallback's collectives live here too: one small all-reduce that tells
+every rank how every other rank's step went, and the buffer broadcast and
+gradient average it runs itself instead of DDP, at points every rank reaches.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -53,3 +58,89 @@ def all_gather_objects(value: object) -> list[object]:
     gathered: list[object] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, value)
     return gathered
+
+
+def collective_device() -> torch.device:
+    """Where small tensors for collectives must live: the current GPU for NCCL, else CPU."""
+    if is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def share_rows(row: Sequence[float], flags: Sequence[bool] = ()) -> tuple[list[list[float]], list[bool]]:
+    """Every rank's ``row`` and, per position, whether any rank set ``flags``: one all-reduce.
+
+    Each rank writes its row into its own slot of a zero tensor and the ranks
+    sum it, so every rank learns every other rank's row from a single small
+    collective. ``row`` and ``flags`` must have the same length on every rank.
+
+    Returns:
+        ``(rows, any_flags)``: ``rows[r]`` is rank ``r``'s row.
+    """
+    if not is_initialized() or dist.get_world_size() == 1:
+        return [[float(v) for v in row]], [bool(f) for f in flags]
+    world, me, width = dist.get_world_size(), dist.get_rank(), len(row)
+    tensor = torch.zeros(world * width + len(flags), dtype=torch.float64)
+    tensor[me * width : (me + 1) * width] = torch.tensor(row, dtype=torch.float64)
+    if len(flags):
+        tensor[world * width :] = torch.tensor(flags, dtype=torch.float64)
+    tensor = tensor.to(collective_device())
+    dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    values = tensor.cpu().tolist()
+    rows = [values[r * width : (r + 1) * width] for r in range(world)]
+    return rows, [v > 0 for v in values[world * width :]]
+
+
+def _buckets(tensors: Sequence[torch.Tensor], bucket_bytes: int) -> Iterator[list[torch.Tensor]]:
+    """Consecutive runs of same-dtype, same-device tensors of at most ``bucket_bytes`` each."""
+    bucket: list[torch.Tensor] = []
+    size = 0
+    for tensor in tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        if bucket and (
+            size + nbytes > bucket_bytes
+            or tensor.dtype != bucket[0].dtype
+            or tensor.device != bucket[0].device
+        ):
+            yield bucket
+            bucket, size = [], 0
+        bucket.append(tensor)
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+def broadcast_(tensors: Sequence[torch.Tensor], *, src: int = 0, bucket_bytes: int = 25 * 2**20) -> None:
+    """Overwrite ``tensors`` in place with rank ``src``'s values (no-op on one process)."""
+    if not is_initialized() or dist.get_world_size() == 1:
+        return
+    with torch.no_grad():
+        for bucket in _buckets(tensors, bucket_bytes):
+            flat = torch.cat([t.reshape(-1) for t in bucket])
+            dist.broadcast(flat, src=src)
+            _unflatten_into(flat, bucket)
+
+
+def average_(tensors: Sequence[torch.Tensor], *, bucket_bytes: int = 25 * 2**20) -> None:
+    """Replace ``tensors`` in place by their mean over all ranks (no-op on one process).
+
+    Each tensor is divided by the world size before the sum, as DDP does, so
+    large gradients do not overflow in half precision.
+    """
+    if not is_initialized() or dist.get_world_size() == 1:
+        return
+    world = dist.get_world_size()
+    with torch.no_grad():
+        for bucket in _buckets(tensors, bucket_bytes):
+            flat = torch.cat([t.reshape(-1) for t in bucket])
+            flat.div_(world)
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+            _unflatten_into(flat, bucket)
+
+
+def _unflatten_into(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
+    offset = 0
+    for tensor in tensors:
+        count = tensor.numel()
+        tensor.copy_(flat[offset : offset + count].view_as(tensor))
+        offset += count
