@@ -77,13 +77,19 @@ def first_plan_cost(trainer: Any, step: int) -> float:
     return float(len(batch) * sampler.lengths[batch].max())
 
 
-def test_split_mode_survives_oom_in_place(
-    emotion_data_dir: Path, minilm_tokenizer: Any, tmp_path: Path
-) -> None:
-    trainer = tc.make_trainer(emotion_data_dir, minilm_tokenizer, tmp_path, oom_mode="split")
-    injector = inject_oom(trainer.model, tc.OOM_LIMIT, where="forward")
+@pytest.fixture(scope="module")
+def split_run(tmp_path_factory: pytest.TempPathFactory, emotion_data_dir: Path, minilm_tokenizer: Any) -> Any:
+    """oom_mode="split", OOM in the forward of batches over OOM_LIMIT padded tokens; a checkpoint kept."""
+    trainer = tc.make_trainer(emotion_data_dir, minilm_tokenizer, tmp_path_factory.mktemp("split"))
+    trainer.add_callback(tc.save_at(steps=(2,)))
+    trainer.injector = inject_oom(trainer.model, tc.OOM_LIMIT, where="forward")
     trainer.train()
-    steps = trainer.recorder.steps
+    trainer.injector.remove()
+    return trainer
+
+
+def test_split_mode_survives_oom_in_place(split_run: Any) -> None:
+    trainer, injector, steps = split_run, split_run.injector, split_run.recorder.steps
 
     assert injector.count == 1  # the costliest batch comes first; micro-batches fit after it
     (event,) = trainer.oom_events
@@ -166,28 +172,36 @@ def test_halve_mode_replans_and_stretches_the_run(halve_run: Any) -> None:
     assert logs[0]["max_tokens"] == event.new_max_tokens
 
 
-@pytest.mark.parametrize("checkpoint", ["checkpoint-3", "end-of-epoch-0"])
+@pytest.mark.parametrize(
+    ("mode", "checkpoint"),
+    [("split", "checkpoint-2"), ("halve", "checkpoint-3"), ("halve", "end-of-epoch-0")],
+)
 def test_resume_continues_at_the_same_sample_with_the_same_budget(
-    halve_run: Any, emotion_data_dir: Path, minilm_tokenizer: Any, tmp_path: Path, checkpoint: str
-) -> None:
-    out = Path(halve_run.args.output_dir)
+    request: pytest.FixtureRequest, emotion_data_dir: Path, minilm_tokenizer: Any, tmp_path: Path, mode: str,
+    checkpoint: str,
+) -> None:  # fmt: skip
+    original = request.getfixturevalue(f"{mode}_run")
+    out = Path(original.args.output_dir)
     if checkpoint == "end-of-epoch-0":
-        end = max(s["global_step"] for s in halve_run.recorder.steps if s["epoch"] == 0) + 1
+        end = max(s["global_step"] for s in original.recorder.steps if s["epoch"] == 0) + 1
         checkpoint = f"checkpoint-{end}"
     state = json.loads((out / checkpoint / "tokenbatch_state.json").read_text())
-    assert state["sampler"]["max_tokens"] == halve_run.oom_fallback.max_tokens
+    assert state["fallback"]["max_tokens"] == original.oom_fallback.max_tokens
+    accumulation = original.args.gradient_accumulation_steps
 
-    resumed = tc.make_trainer(emotion_data_dir, minilm_tokenizer, tmp_path, oom_mode="halve", accumulation=2)
-    # Anything planned above the shrunk budget, as a forgotten re-plan would be, runs out of memory.
-    injector = inject_oom(resumed.model, halve_run.oom_fallback.max_tokens, where="forward")
+    resumed = tc.make_trainer(
+        emotion_data_dir, minilm_tokenizer, tmp_path, oom_mode=mode, accumulation=accumulation
+    )
+    # Anything above the shrunk budget (a forgotten re-plan or micro-batch budget) runs out of memory.
+    injector = inject_oom(resumed.model, original.oom_fallback.max_tokens, where="forward")
     resumed.train(resume_from_checkpoint=str(out / checkpoint))
 
     assert injector.count == 0
     start = int(checkpoint.split("-")[1])
-    expected = [s for s in halve_run.recorder.steps if s["global_step"] >= start]
+    expected = [s for s in original.recorder.steps if s["global_step"] >= start]
     assert resumed.recorder.steps == expected  # same samples, budget, learning rate, run length
-    assert resumed.oom_events == halve_run.oom_events
-    assert torch.equal(tc.flat_params(resumed.model), tc.flat_params(halve_run.model))
+    assert resumed.oom_events == original.oom_events
+    assert torch.equal(tc.flat_params(resumed.model), tc.flat_params(original.model))
 
 
 def test_evaluation_and_prediction_use_the_eval_budget(

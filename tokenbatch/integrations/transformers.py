@@ -296,7 +296,6 @@ class TokenBudgetTrainer(Trainer):
         groups = len(self._sampler.lengths) + 1
         values["num_update_steps_per_epoch"] = groups
         values["steps_in_epoch"] = groups * self.args.gradient_accumulation_steps
-        values["steps_trained_in_current_epoch"] = 0
         try:
             return super()._run_epoch(*bound.args, **bound.kwargs)  # type: ignore[no-untyped-call]
         finally:
