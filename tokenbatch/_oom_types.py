@@ -1,4 +1,8 @@
-"""What the OOM fallback recognises, records and raises: ``is_oom``, events and errors."""
+"""What the OOM fallback recognises, records and raises: ``is_oom``, events and errors.
+
+Also the rule every rank applies to the step's shared outcome rows to agree
+on the next budget, kept pure so it can be tested without processes.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +12,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+# A rank's outcome row in the per-step all-reduce: [status, phase, cost, longest, rows] of
+# what it ran (the whole batch, or the micro-batch that failed).
+OK, OOM, ERROR = 0.0, 1.0, 2.0
+PHASES = ("", "forward", "backward")
 
 # torch >= 2.5 exposes the type at the top level; before, only as torch.cuda.OutOfMemoryError.
 _TORCH_OOM: type[BaseException] = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
@@ -139,3 +148,74 @@ class OOMEvent:
         values["ranks"] = tuple(values["ranks"])
         values["where"] = tuple(values["where"])
         return cls(**values)
+
+
+def next_event(
+    rows: list[list[float]],
+    *,
+    epoch: int,
+    step: int,
+    mode: str,
+    max_tokens: float,
+    factor: float,
+    min_tokens: float | None,
+    attempt: int,
+) -> OOMEvent:
+    """The event all ranks derive from the shared outcome rows of a step in which some rank ran out of memory.
+
+    The new budget is ``factor * min(max_tokens, cost of the costliest batch
+    that failed)``, so a batch far under the budget that still fails is
+    split at once, and never below ``min_tokens``.
+
+    Raises:
+        SampleTooLargeError: a rank ran out of memory on a single sample, or
+            ``max_tokens`` is already at ``min_tokens``.
+
+    Example:
+        >>> rows = [[OK, 0, 0, 0, 0], [OOM, 2, 900.0, 90, 10]]
+        >>> event = next_event(rows, epoch=0, step=3, mode="split", max_tokens=1024,
+        ...                    factor=0.5, min_tokens=None, attempt=0)
+        >>> event.new_max_tokens, event.ranks, event.where, event.longest
+        (450.0, (1,), ('backward',), 90)
+    """
+    failing = [r for r, row in enumerate(rows) if row[0] == OOM]
+    if not failing:
+        raise ValueError("next_event needs at least one row with an out-of-memory status")
+    longest = int(max(rows[r][3] for r in failing))
+    new = factor * min(max_tokens, max(rows[r][2] for r in failing))
+    single = [r for r in failing if rows[r][4] == 1]
+    if single:
+        rank, length = single[0], int(rows[single[0]][3])
+        raise SampleTooLargeError(
+            f"a single sample of {length} tokens ran out of memory on its own (rank {rank}, epoch "
+            f"{epoch}, step {step}, max_tokens={max_tokens:g}); nothing smaller is left to try: truncate "
+            f"sequences below {length} tokens (the tokenizer's max_length), or free memory (a smaller "
+            f"model or dtype, gradient checkpointing)",
+            length=length,
+            max_tokens=max_tokens,
+            step=step,
+            rank=rank,
+        )
+    if min_tokens is not None:
+        if max_tokens <= min_tokens:
+            raise SampleTooLargeError(
+                f"out of memory at epoch {epoch}, step {step} on rank(s) {failing} (longest sequence "
+                f"{longest} tokens) with max_tokens={max_tokens:g} already at min_tokens={min_tokens:g}; "
+                f"lower min_tokens, truncate sequences, or free memory",
+                length=longest,
+                max_tokens=max_tokens,
+                step=step,
+                rank=failing[0],
+            )
+        new = max(new, min_tokens)
+    return OOMEvent(
+        epoch=epoch,
+        step=step,
+        mode=mode,
+        old_max_tokens=float(max_tokens),
+        new_max_tokens=float(new),
+        longest=longest,
+        ranks=tuple(failing),
+        where=tuple(PHASES[int(rows[r][1])] for r in failing),
+        attempt=attempt,
+    )

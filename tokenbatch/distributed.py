@@ -121,21 +121,75 @@ def broadcast_(tensors: Sequence[torch.Tensor], *, src: int = 0, bucket_bytes: i
             _unflatten_into(flat, bucket)
 
 
-def average_(tensors: Sequence[torch.Tensor], *, bucket_bytes: int = 25 * 2**20) -> None:
-    """Replace ``tensors`` in place by their mean over all ranks (no-op on one process).
+class GradientAverage:
+    """Gradients made ready to be averaged over all ranks: large ones in place, small ones packed.
 
-    Each tensor is divided by the world size before the sum, as DDP does, so
-    large gradients do not overflow in half precision.
+    Made inside the guarded step, so that running out of memory for the
+    packing buffers is reported like any other out-of-memory error instead of
+    failing on one rank between collectives. Gradients of ``inplace_bytes``
+    or more are all-reduced where they are (no copy, no extra memory); the
+    rest are copied into flat buckets of up to ``bucket_bytes``, so that
+    hundreds of small tensors cost a few collectives. A missing gradient
+    counts as zeros. Which tensor goes where depends only on the parameters,
+    so every rank issues the same collectives in the same order.
     """
-    if not is_initialized() or dist.get_world_size() == 1:
+
+    def __init__(
+        self,
+        params: Sequence[torch.Tensor],
+        *,
+        bucket_bytes: int = 25 * 2**20,
+        inplace_bytes: int = 2**20,
+    ) -> None:
+        self.params = list(params)
+        # all_reduce needs contiguous tensors; a strided gradient is replaced by a contiguous copy.
+        self._grads = [torch.zeros_like(p) if p.grad is None else p.grad.contiguous() for p in self.params]
+        large = [p.numel() * p.element_size() >= inplace_bytes for p in self.params]
+        self._inplace = [i for i, big in enumerate(large) if big]
+        small = [i for i, big in enumerate(large) if not big]
+        self._buckets: list[tuple[torch.Tensor, list[int]]] = []
+        with torch.no_grad():
+            for bucket in _buckets([self.params[i] for i in small], bucket_bytes):
+                indices, small = small[: len(bucket)], small[len(bucket) :]
+                flat = torch.cat([self._grads[i].reshape(-1) for i in indices])
+                self._buckets.append((flat, indices))
+
+    def average_into_grads(self, present: Sequence[bool]) -> None:
+        """Average over ranks into ``.grad`` of the parameters some rank has a gradient for.
+
+        Each tensor is divided by the world size before the sum, as DDP does,
+        so that large gradients do not overflow in half precision.
+        """
+        world = dist.get_world_size() if is_initialized() else 1
+        with torch.no_grad():
+            for index in self._inplace:
+                if world > 1:
+                    self._grads[index].div_(world)
+                    dist.all_reduce(self._grads[index], op=dist.ReduceOp.SUM)
+            for flat, indices in self._buckets:
+                if world > 1:
+                    flat.div_(world)
+                    dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+                _unflatten_into(flat, [self._grads[i] for i in indices])
+        for param, grad, keep in zip(self.params, self._grads, present, strict=True):
+            # No rank used it: leave .grad None, as DDP does; used elsewhere only: the average.
+            param.grad = grad if keep else None
+        self._grads, self._buckets = [], []
+
+
+def broadcast_module_buffers(ddp: torch.nn.parallel.DistributedDataParallel) -> None:
+    """DDP's buffer broadcast from rank 0, done by hand where the caller knows every rank arrives.
+
+    Does what DDP does at the start of its forward when its settings ask for
+    it (``forward_sync_buffers``, formerly ``broadcast_buffers``).
+    """
+    enabled = getattr(ddp, "forward_sync_buffers", getattr(ddp, "broadcast_buffers", True))
+    if not enabled or not ddp.require_forward_param_sync:
         return
-    world = dist.get_world_size()
-    with torch.no_grad():
-        for bucket in _buckets(tensors, bucket_bytes):
-            flat = torch.cat([t.reshape(-1) for t in bucket])
-            flat.div_(world)
-            dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-            _unflatten_into(flat, bucket)
+    ignored = set(getattr(ddp, "parameters_to_ignore", ()))
+    buffers = [b for name, b in ddp.module.named_buffers() if name not in ignored]
+    if buffers:
+        broadcast_(buffers, src=0)
 
 
 def _unflatten_into(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:

@@ -11,17 +11,28 @@ collective it will not reach.
 
 from __future__ import annotations
 
-import contextlib
 import logging
+import math
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
 import torch
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 
 from tokenbatch import _checks, distributed
-from tokenbatch._oom_types import OOMEvent, RankFailedError, SampleTooLargeError, free_memory, is_oom
+from tokenbatch._epoch import EpochCursor
+from tokenbatch._oom_types import (
+    ERROR,
+    OK,
+    OOM,
+    OOMEvent,
+    RankFailedError,
+    SampleTooLargeError,
+    free_memory,
+    is_oom,
+    next_event,
+)
+from tokenbatch._runner import Piece, StepRunner, raise_on_every_rank
 from tokenbatch._split import BatchShape, inspect_batch, split_batch
 from tokenbatch.budget_cache import BudgetCache, BudgetKey
 from tokenbatch.plan import OversizeSampleError
@@ -33,8 +44,6 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 MODES = ("split", "halve")
-_OK, _OOM, _ERROR = 0.0, 1.0, 2.0
-_PHASES = ("", "forward", "backward")
 _DEFAULT_BUCKET_BYTES = 25 * 2**20
 
 
@@ -64,16 +73,30 @@ class OOMFallback:
             budget cached for it if smaller, and cache the budget after each change.
         cache: the cache file for ``remember`` (default ``BudgetCache()``).
 
+    The training loop keeps its usual shape::
+
+        for batch in fallback.iterate(train_dataloader):
+            loss = fallback.backward(batch, lambda b: model(**b).loss)
+            if loss is not None:  # None: the step was dropped (halve mode)
+                optimizer.step()
+                optimizer.zero_grad()
+
     Example:
         >>> import torch
         >>> from tokenbatch import OOMFallback, TokenBudgetBatchSampler
-        >>> sampler = TokenBudgetBatchSampler([3, 5, 2, 4], max_tokens=8, seed=0)
-        >>> model = torch.nn.Linear(1, 1)
-        >>> fallback = OOMFallback(sampler, model, mode="halve")
-        >>> batches = [torch.ones(len(b), 1) for b in sampler]
-        >>> losses = [fallback.backward(x, lambda x: model(x).mean()) for x in fallback.iterate(batches)]
-        >>> fallback.steps_done, fallback.events
-        (3, [])
+        >>> from tokenbatch.testing import inject_oom
+        >>> sampler = TokenBudgetBatchSampler([4] * 12, max_tokens=16, seed=0)
+        >>> model = torch.nn.Linear(4, 1)
+        >>> fallback = OOMFallback(sampler, model, mode="split")
+        >>> batches = [torch.ones(len(indices), 4) for indices in sampler]
+        >>> with inject_oom(model, max_tokens=8, times=1):  # a batch of 16 tokens "runs out of memory"
+        ...     losses = [fallback.backward(x, lambda x: model(x).square().mean())
+        ...               for x in fallback.iterate(batches)]
+        >>> event = fallback.events[0]
+        >>> event.step, event.where, event.old_max_tokens, event.new_max_tokens, fallback.max_tokens
+        (0, ('forward',), 16.0, 8.0, 8.0)
+        >>> fallback.steps_done == sampler.plan.num_steps and None not in losses
+        True
     """
 
     def __init__(
@@ -114,17 +137,9 @@ class OOMFallback:
         self.pad_token_id = pad_token_id
         self.trim_padding = bool(trim_padding)
         self.events: list[OOMEvent] = []
-        self._ddp = model if isinstance(model, DistributedDataParallel) else None
+        self._runner = StepRunner(model, accelerator)
         self._micro_tokens = sampler.max_tokens  # split mode: the budget one forward/backward must fit
-        self._epoch = sampler.epoch
-        self._steps_done = self._first_step()
-        self._step = self._steps_done
-        self._iterating = False
-        self.restart_pending = False
-        """After a halve-mode re-plan: the DataLoader must be iterated afresh (``iterate`` does it)."""
-        self._phase = ""
-        self._tried_rows: Any = None  # rows of the micro-batch being run (None: the whole batch)
-        self._warned_accumulation = False
+        self._cursor = EpochCursor(sampler)
         self.remember = remember
         self.cache = cache if cache is not None or remember is None else BudgetCache()
         self._cache_pending = False
@@ -141,7 +156,12 @@ class OOMFallback:
     @property
     def steps_done(self) -> int:
         """Steps trained in this epoch: what to pass to ``sampler.state_dict(steps_done=...)``."""
-        return self._steps_done
+        return self._cursor.steps_done
+
+    @property
+    def restart_pending(self) -> bool:
+        """After a halve-mode re-plan: the DataLoader must be iterated afresh (``iterate`` does it)."""
+        return self._cursor.restart_pending
 
     def state_dict(self) -> dict[str, Any]:
         """The budget and events, to save beside the sampler's ``state_dict``."""
@@ -168,45 +188,17 @@ class OOMFallback:
 
     # -- the loop ------------------------------------------------------------------
 
-    def _first_step(self) -> int:
-        """The step the sampler's next iteration starts at (after a resume or re-plan)."""
-        plan = self.sampler.plan
-        per_step = 1 if self.sampler.rank is not None else plan.num_replicas
-        return plan.num_steps - len(self.sampler) // per_step
-
     def iterate(self, dataloader: Iterable[T]) -> Iterator[T]:
         """The batches of ``dataloader`` for this epoch, across any re-plans.
 
         After a halve-mode re-plan the abandoned DataLoader iterator (and the
         batches it read ahead from the old plan) is closed, and a fresh one
         resumes at the first step not yet trained.
+
+        Raises:
+            ValueError: ``dataloader`` does not draw its batches from the sampler.
         """
-        self._epoch = self.sampler.epoch
-        self._steps_done = self._first_step()
-        step = self._steps_done
-        self._iterating = True
-        try:
-            while True:
-                self.restart_pending = False
-                iterator = iter(dataloader)
-                try:
-                    for batch in iterator:
-                        self._step = step
-                        yield batch
-                        if self.restart_pending:
-                            break
-                        step += 1
-                        self._steps_done = max(self._steps_done, step)
-                finally:
-                    close = getattr(iterator, "close", None)
-                    if callable(close):
-                        close()
-                    del iterator
-                if not self.restart_pending:
-                    return
-                step = self._steps_done
-        finally:
-            self._iterating = False
+        return self._cursor.iterate(dataloader)
 
     def backward(self, batch: Any, loss_fn: Callable[[Any], torch.Tensor]) -> torch.Tensor | None:
         """Run ``loss_fn(batch)`` and its backward pass; on out-of-memory, recover on every rank.
@@ -224,169 +216,102 @@ class OOMFallback:
             RankFailedError: another rank raised an error that is not out-of-memory
                 (that rank re-raises its own error unchanged).
         """
-        step = self._step if self._iterating else self._steps_done
-        if not self._iterating and self.sampler.epoch != self._epoch:
-            self._epoch, step = self.sampler.epoch, 0
-        ddp = self._ddp
+        step = self._cursor.current_step()
+        runner, ddp = self._runner, self._runner.ddp
         world = distributed.world_size() if distributed.is_initialized() else 1
         sync = ddp is not None and world > 1 and bool(getattr(self.accelerator, "sync_gradients", True))
-        params = [p for p in self.model.parameters() if p.requires_grad]
+        params = runner.params()
         had_grads = any(p.grad is not None for p in params)
         forward_sync = ddp.require_forward_param_sync if ddp is not None else False
         if ddp is not None and world > 1:
-            self._sync_buffers(ddp)
+            distributed.broadcast_module_buffers(ddp)  # before anything that can fail
         try:
-            shape: BatchShape | None = None
-            pieces = None
-            if self.mode == "split" and self._micro_tokens < self.sampler.max_tokens:
-                shape = inspect_batch(batch, self.pad_token_id)
-                if shape.cost(self.sampler.cost) > self._micro_tokens:
-                    pieces = self._split(batch, shape)
-            loss: torch.Tensor | None = None
+            work = _Work(batch)
             attempt = 0
             while True:
-                row = [_OK, 0.0, 0.0, 0.0, 0.0]
-                error: Exception | None = None
-                if loss is None:
-                    try:
-                        loss = self._forward_backward(batch, pieces, loss_fn)
-                    except Exception as exc:
-                        if not is_oom(exc):
-                            error = exc
-                            row = [_ERROR, float(_PHASES.index(self._phase)), 0.0, 0.0, 0.0]
-                        else:
-                            shape = shape or inspect_batch(batch, self.pad_token_id)
-                            row = self._oom_row(shape)
-                            logger.debug("rank %d: %s", distributed.rank(), str(exc).splitlines()[0])
-                    # Out of the except block, the traceback (and the activations its frames hold) is gone.
-                    if row[0] == _OOM:
-                        self._drop_grads(params, had_grads)
+                row, error = [OK, 0.0, 0.0, 0.0, 0.0], None
+                if work.loss is None:
+                    row, error = self._attempt(work, loss_fn, params, sync)
+                    if row[0] == OOM:
+                        runner.drop_grads(params, had_grads)
                         free_memory()
                 flags = [p.grad is not None for p in params] if sync else []
                 rows, any_grad = distributed.share_rows(row, flags)
-                if any(r[0] == _ERROR for r in rows):
-                    self._raise_error(rows, error, step)
-                if not any(r[0] == _OOM for r in rows):
+                if any(r[0] == ERROR for r in rows):
+                    raise_on_every_rank(rows, error, f"epoch {self.sampler.epoch}, step {step}")
+                if not any(r[0] == OOM for r in rows):
                     break
-                event = self._record(rows, step, attempt)
+                event = next_event(
+                    rows,
+                    epoch=self.sampler.epoch,
+                    step=step,
+                    mode=self.mode,
+                    max_tokens=self.max_tokens,
+                    factor=self.factor,
+                    min_tokens=self.min_tokens,
+                    attempt=attempt,
+                )
+                self._record(event)
                 if self.mode == "halve":
-                    self._drop_grads(params, had_grads)
+                    runner.drop_grads(params, had_grads)
                     self._replan(event)
                     return None
                 self._micro_tokens = event.new_max_tokens
-                if loss is None:
-                    assert shape is not None  # set when this rank ran out of memory
-                    pieces = self._split(batch, shape)
                 attempt += 1
-            if sync:
-                self._average_gradients(params, any_grad, ddp)
+            if work.average is not None:
+                work.average.average_into_grads(any_grad)
         finally:
             if ddp is not None:
                 ddp.require_forward_param_sync = forward_sync
-        self._steps_done = step + 1
+        self._cursor.steps_done = step + 1
         self._save_budget()
-        return loss
+        return work.loss
 
-    # -- one attempt -------------------------------------------------------------------
+    def _attempt(
+        self, work: _Work, loss_fn: Callable[[Any], torch.Tensor], params: list[nn.Parameter], sync: bool
+    ) -> tuple[list[float], Exception | None]:
+        """Run the batch (split to the micro-batch budget if it is over it); never raises.
 
-    def _split(self, batch: Any, shape: BatchShape) -> list[tuple[Any, float, Any]]:
+        Returns this rank's outcome row, and the error if it was not out-of-memory.
+        Everything that can fail on one rank only happens in here, before the
+        ranks compare outcomes, so no rank is ever left waiting for another.
+        """
+        self._runner.phase, self._runner.rows = "forward", None  # splitting counts as forward
+        try:
+            work.pieces = None
+            if self.mode == "split" and self._micro_tokens < self.sampler.max_tokens:
+                work.shape = work.shape or inspect_batch(work.batch, self.pad_token_id)
+                if work.shape.cost(self.sampler.cost) > self._micro_tokens:
+                    work.pieces = self._split(work.batch, work.shape)
+            work.loss = self._runner.run(work.batch, work.pieces, loss_fn)
+            if sync:  # buckets allocated here, where running out of memory is caught
+                work.average = distributed.GradientAverage(params, bucket_bytes=self._bucket_bytes())
+            return [OK, 0.0, 0.0, 0.0, 0.0], None
+        except Exception as exc:
+            work.loss = work.average = None
+            if not is_oom(exc):
+                return self._runner.error_row(), exc
+            logger.debug("rank %d: %s", distributed.rank(), str(exc).splitlines()[0])
+        # Out of the except block the traceback, and the activations its frames hold, are gone.
+        try:
+            work.shape = work.shape or inspect_batch(work.batch, self.pad_token_id)
+            return self._runner.oom_row(work.shape, self.sampler.cost), None
+        except Exception as unreadable:  # a batch we cannot read: report it rather than guess
+            return self._runner.error_row(), unreadable
+
+    def _bucket_bytes(self) -> int:
+        return int(getattr(self._runner.ddp, "bucket_bytes_cap", _DEFAULT_BUCKET_BYTES))
+
+    def _split(self, batch: Any, shape: BatchShape) -> list[Piece]:
         return split_batch(
-            batch,
-            shape,
-            self.sampler.cost,
-            self._micro_tokens,
-            weight=self.weight,
-            trim=self.trim_padding,
+            batch, shape, self.sampler.cost, self._micro_tokens, weight=self.weight, trim=self.trim_padding
         )
 
-    def _forward_backward(
-        self, batch: Any, pieces: list[tuple[Any, float, Any]] | None, loss_fn: Callable[[Any], torch.Tensor]
-    ) -> torch.Tensor:
-        parts = [(batch, 1.0, None)] if pieces is None else pieces
-        total: torch.Tensor | None = None
-        context = self._ddp.no_sync() if self._ddp is not None else contextlib.nullcontext()
-        with context:
-            for part, share, rows in parts:
-                self._tried_rows = rows
-                self._phase = "forward"
-                if self._ddp is not None:
-                    # DDP would broadcast buffers here, where a rank that already failed never comes.
-                    self._ddp.require_forward_param_sync = False
-                loss = _check_loss(loss_fn(part))
-                self._phase = "backward"
-                # Not split: the loss as returned, so a step without OOM is exactly the plain one.
-                scaled = loss if pieces is None else loss * share
-                if self.accelerator is not None:
-                    self.accelerator.backward(scaled)
-                else:
-                    torch.autograd.backward(scaled)
-                value = scaled.detach()
-                total = value if total is None else total + value
-        assert total is not None
-        return total
-
-    def _oom_row(self, shape: BatchShape) -> list[float]:
-        """This rank's report of an out-of-memory error: phase, failed cost, longest row, rows."""
-        rows = self._tried_rows
-        failed = shape.lengths if rows is None else shape.lengths[rows]
-        return [
-            _OOM,
-            float(_PHASES.index(self._phase)),
-            float(len(failed) * self.sampler.cost.sample_cost(int(failed.max()))),
-            float(failed.max()),
-            float(len(failed)),
-        ]
-
-    # -- after the agreement -------------------------------------------------------------
-
-    def _record(self, rows: list[list[float]], step: int, attempt: int) -> OOMEvent:
-        """The event every rank derives from the shared rows; raises when no smaller budget is left."""
-        failing = [r for r, row in enumerate(rows) if row[0] == _OOM]
-        old = self.max_tokens
-        largest = max(rows[r][2] for r in failing)
-        longest = int(max(rows[r][3] for r in failing))
-        new = self.factor * min(old, largest)
-        single = [r for r in failing if rows[r][4] == 1]
-        event = OOMEvent(
-            epoch=self.sampler.epoch,
-            step=step,
-            mode=self.mode,
-            old_max_tokens=old,
-            new_max_tokens=new,
-            longest=longest,
-            ranks=tuple(failing),
-            where=tuple(_PHASES[int(rows[r][1])] for r in failing),
-            attempt=attempt,
-        )
-        if single:
-            rank = single[0]
-            raise SampleTooLargeError(
-                f"a single sample of {int(rows[rank][3])} tokens ran out of memory on its own "
-                f"(rank {rank}, epoch {event.epoch}, step {step}, max_tokens={old:g}); nothing smaller is "
-                f"left to try: truncate sequences below {int(rows[rank][3])} tokens (the tokenizer's "
-                f"max_length), or free memory (a smaller model or dtype, gradient checkpointing)",
-                length=int(rows[rank][3]),
-                max_tokens=old,
-                step=step,
-                rank=rank,
-            )
-        if self.min_tokens is not None:
-            if old <= self.min_tokens:
-                raise SampleTooLargeError(
-                    f"out of memory at epoch {event.epoch}, step {step} on rank(s) {list(failing)} "
-                    f"(longest sequence {longest} tokens) with max_tokens={old:g} already at "
-                    f"min_tokens={self.min_tokens:g}; lower min_tokens, truncate sequences, or free memory",
-                    length=longest,
-                    max_tokens=old,
-                    step=step,
-                    rank=failing[0],
-                )
-            event = event.replace(new_max_tokens=max(new, self.min_tokens))
+    def _record(self, event: OOMEvent) -> None:
         self.events.append(event)
         self._cache_pending = True
         if distributed.rank() == 0:
             logger.warning("%s", event)
-        return event
 
     def _replan(self, event: OOMEvent) -> None:
         try:
@@ -400,70 +325,23 @@ class OOMFallback:
                 step=event.step,
                 rank=event.ranks[0],
             ) from error
-        self.restart_pending = True
-
-    def _raise_error(self, rows: list[list[float]], error: Exception | None, step: int) -> None:
-        """Raise on every rank: the original error where it happened, RankFailedError elsewhere."""
-        summary = None if error is None else f"{type(error).__name__}: {error}"
-        summaries = distributed.all_gather_objects(summary)  # every rank knows to come here
-        if error is not None:
-            raise error
-        rank = next(r for r, row in enumerate(rows) if row[0] == _ERROR)
-        raise RankFailedError(
-            f"rank {rank} raised {summaries[rank]} during {_PHASES[int(rows[rank][1])] or 'its step'} "
-            f"at epoch {self.sampler.epoch}, step {step}; this rank stops too rather than wait for it "
-            f"(see rank {rank}'s traceback)",
-            rank=rank,
-            error=str(summaries[rank]),
-        )
-
-    def _drop_grads(self, params: list[nn.Parameter], had_grads: bool) -> None:
-        if had_grads and not self._warned_accumulation:
-            self._warned_accumulation = True
-            logger.warning(
-                "gradients accumulated before this step are dropped with the failed step's; "
-                "OOMFallback expects optimizer.zero_grad() after every optimizer.step()"
-            )
-        for param in params:
-            param.grad = None
-
-    # -- collectives -------------------------------------------------------------------
-
-    def _sync_buffers(self, ddp: DistributedDataParallel) -> None:
-        """DDP's per-forward buffer broadcast, moved to the top of the step where every rank arrives."""
-        if not getattr(ddp, "forward_sync_buffers", getattr(ddp, "broadcast_buffers", True)):
-            return
-        if not ddp.require_forward_param_sync:
-            return
-        ignored = set(getattr(ddp, "parameters_to_ignore", ()))
-        buffers = [b for name, b in ddp.module.named_buffers() if name not in ignored]
-        if buffers:
-            distributed.broadcast_(buffers, src=0)
-
-    def _average_gradients(
-        self, params: list[nn.Parameter], any_grad: list[bool], ddp: DistributedDataParallel | None
-    ) -> None:
-        grads = []
-        for param, present in zip(params, any_grad, strict=True):
-            if present:
-                if param.grad is None:  # unused here but used on another rank, as DDP does
-                    param.grad = torch.zeros_like(param)
-                grads.append(param.grad)
-        distributed.average_(grads, bucket_bytes=getattr(ddp, "bucket_bytes_cap", _DEFAULT_BUCKET_BYTES))
+        self._cursor.restart_pending = True
 
     # -- remembering the budget ----------------------------------------------------------
 
     def _start_from_cache(self, key: BudgetKey) -> None:
         assert self.cache is not None
         entry = self.cache.get(key)
-        if entry is None or float(entry["max_tokens"]) >= self.max_tokens:
+        mine = float(entry["max_tokens"]) if entry is not None else math.inf
+        # Ranks on other machines may read other files: all take the smallest, so plans agree.
+        cached = -distributed.all_reduce_max([-mine], device=distributed.collective_device())[0]
+        if cached >= self.max_tokens:
             return
-        cached = float(entry["max_tokens"])
         if self.mode == "split":
             self._micro_tokens = cached
         else:
             try:
-                self.sampler.replan(cached, steps_done=self._steps_done)
+                self.sampler.replan(cached, steps_done=self._cursor.steps_done)
             except OversizeSampleError as error:
                 logger.warning("not starting from the cached max_tokens=%g for %s: %s", cached, key, error)
                 return
@@ -475,14 +353,20 @@ class OOMFallback:
             return
         self._cache_pending = False
         if self.remember is not None and self.cache is not None and distributed.rank() == 0:
-            self.cache.put(self.remember, self.max_tokens, source="oom", mode=self.mode)
+            try:
+                self.cache.put(self.remember, self.max_tokens, source="oom", mode=self.mode)
+            except (OSError, ValueError) as error:  # a cache is a convenience: never stop training for it
+                logger.warning(
+                    "could not remember max_tokens=%g in %s: %s", self.max_tokens, self.cache.path, error
+                )
 
 
-def _check_loss(loss: Any) -> torch.Tensor:
-    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-        raise TypeError(
-            f"loss_fn should return the batch's loss as a scalar tensor (e.g. lambda batch: "
-            f"model(**batch).loss), but it returned {type(loss).__name__}"
-            + (f" of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else "")
-        )
-    return loss
+class _Work:
+    """One step's batch and what has been made of it so far."""
+
+    def __init__(self, batch: Any) -> None:
+        self.batch = batch
+        self.shape: BatchShape | None = None
+        self.pieces: list[Piece] | None = None
+        self.loss: torch.Tensor | None = None
+        self.average: distributed.GradientAverage | None = None

@@ -70,6 +70,7 @@ class OOMInjector:
         where: str = "forward",
         ranks: Collection[int] | None = None,
         times: int | None = None,
+        after: int = 0,
         cost: CostModel | None = None,
         kind: str = "cuda",
     ) -> None:
@@ -83,6 +84,7 @@ class OOMInjector:
         self.kind = _checks.one_of("kind", kind, KINDS)
         self.ranks = None if ranks is None else frozenset(int(r) for r in ranks)
         self.times = None if times is None else _checks.positive_int("times", times)
+        self.after = _checks.non_negative_int("after", after)
         self.cost = CostModel() if cost is None else cost
         self.count = 0
         self.calls = 0
@@ -98,7 +100,7 @@ class OOMInjector:
             self._handles.append(first.register_hook(self._on_gradient))
 
     def _due(self, batch_cost: float) -> bool:
-        if batch_cost <= self.max_tokens:
+        if batch_cost <= self.max_tokens or self.calls <= self.after:
             return False
         if self.ranks is not None and distributed.rank() not in self.ranks:
             return False
@@ -166,6 +168,7 @@ def inject_oom(
     where: str = "forward",
     ranks: Collection[int] | None = None,
     times: int | None = None,
+    after: int = 0,
     cost: CostModel | None = None,
     kind: str = "cuda",
 ) -> OOMInjector:
@@ -184,8 +187,12 @@ def inject_oom(
             computed, near the end of the backward pass.
         ranks: raise only on these ranks (default: all).
         times: raise at most this many times (default: every time).
+        after: let the first ``after`` model calls through whatever their
+            cost (to rehearse an OOM in the middle of an epoch).
         cost: how a batch is costed (default: padded tokens, rows x length).
         kind: ``"cuda"`` raises ``torch.OutOfMemoryError``; ``"cpu"`` raises the
             ``RuntimeError`` of PyTorch's CPU allocator.
     """
-    return OOMInjector(model, max_tokens, where=where, ranks=ranks, times=times, cost=cost, kind=kind)
+    return OOMInjector(
+        model, max_tokens, where=where, ranks=ranks, times=times, after=after, cost=cost, kind=kind
+    )

@@ -34,7 +34,13 @@ EPOCHS = 2
 
 
 def train(
-    accelerator: Any, *, mode: str, where: str | None = None, fail: str | None = None, plain: bool = False
+    accelerator: Any,
+    *,
+    mode: str,
+    where: str | None = None,
+    fail: str | None = None,
+    plain: bool = False,
+    unguarded: bool = False,
 ) -> dict[str, Any]:
     """One run; ``where`` injects OOM on rank 1, ``fail`` raises something else there."""
     from torch.nn.parallel import DistributedDataParallel
@@ -59,13 +65,14 @@ def train(
     if where is not None:
         limit = 5 if fail == "too_large" else LIMIT
         injector = inject_oom(model, limit, where=where, ranks=[1])
-    if fail == "error" and rank == 1:
-
-        def boom(module: Any, args: Any, kwargs: Any) -> None:
-            if fallback.steps_done == 2:
+    forward = loss_fn(model)
+    if fail == "error":
+        # Raised before the model is called: DDP's own buffer broadcast would wait for it forever.
+        def forward(batch: dict[str, torch.Tensor], plain_forward: Any = forward) -> torch.Tensor:
+            if rank == 1 and fallback.steps_done == 2:
                 raise ValueError("not an OOM: rank 1 at step 2")
+            return plain_forward(batch)
 
-        getattr(model, "module", model).register_forward_pre_hook(boom, with_kwargs=True)
     trained: list[int] = []
     losses: list[float] = []
     error = None
@@ -74,7 +81,11 @@ def train(
         for epoch in range(EPOCHS):
             sampler.set_epoch(epoch)
             for batch in fallback.iterate(loader):
-                loss = fallback.backward(batch, loss_fn(model))
+                if unguarded:  # the plain accelerate loop, for comparison
+                    loss = forward(batch)
+                    accelerator.backward(loss)
+                else:
+                    loss = fallback.backward(batch, forward)
                 if loss is not None:
                     trained += batch["idx"].tolist()
                     losses.append(float(loss))
@@ -96,6 +107,7 @@ def train(
 
 
 SCENARIOS: dict[str, dict[str, Any]] = {
+    "unguarded": {"mode": "split", "unguarded": True},
     "reference": {"mode": "split"},
     "split_forward": {"mode": "split", "where": "forward"},
     "split_backward": {"mode": "split", "where": "backward"},
