@@ -62,8 +62,7 @@ def new_sampler(
         cost = trainer.token_cost
         over = int(np.count_nonzero(cost.sample_cost(cost.padded_length(lengths)) > max_tokens))
         if over:
-            action = "trained alone" if training and options["oversize"] == "alone" else "left out"
-            action = "run alone" if not training else action
+            action = "left out" if options["oversize"] == "skip" else "batched alone"
             logger.warning(
                 "%d example(s) alone exceed max_tokens=%g and will be %s", over, max_tokens, action
             )

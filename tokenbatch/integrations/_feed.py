@@ -24,7 +24,7 @@ import torch
 from tokenbatch.sampler import TokenBudgetBatchSampler
 
 
-class Padding(dict):  # type: ignore[type-arg]
+class Padding(dict[str, Any]):
     """A no-op slot that fills the last gradient-accumulation group of an epoch.
 
     Its empty tensors count zero tokens and zero FLOPs in the Trainer's bookkeeping.
@@ -32,6 +32,7 @@ class Padding(dict):  # type: ignore[type-arg]
 
 
 def padding(main_input_name: str) -> Padding:
+    """A padding slot; ``main_input_name`` is the model's (its empty tensor counts for FLOPs)."""
     empty = torch.zeros((0, 0), dtype=torch.long)
     return Padding({main_input_name: empty, "attention_mask": empty})
 

@@ -44,7 +44,12 @@ from tokenbatch.sampler import TokenBudgetBatchSampler
 
 try:
     from transformers import Trainer, TrainingArguments
-    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, PredictionOutput, get_last_checkpoint
+    from transformers.trainer_utils import (
+        PREFIX_CHECKPOINT_DIR,
+        PredictionOutput,
+        TrainOutput,
+        get_last_checkpoint,
+    )
 except ImportError as error:  # pragma: no cover - the extra is not installed
     raise ImportError(
         "tokenbatch.integrations.transformers needs transformers and accelerate: "
@@ -235,7 +240,8 @@ class TokenBudgetTrainer(Trainer):
         resume_from_checkpoint: str | bool | None = None,
         trial: Any = None,
         ignore_keys_for_eval: list[str] | None = None,
-    ) -> Any:
+    ) -> TrainOutput:
+        """``Trainer.train``; a checkpoint to resume from must have been saved by TokenBudgetTrainer."""
         self._fallback = self._resume = None
         checkpoint: Any = resume_from_checkpoint
         if checkpoint is True:
