@@ -29,9 +29,7 @@ class EpochCursor:
 
     def first_step(self) -> int:
         """The step the sampler's next iteration starts at (0, or where a resume or re-plan left it)."""
-        plan = self.sampler.plan
-        per_step = 1 if self.sampler.rank is not None else plan.num_replicas
-        return plan.num_steps - len(self.sampler) // per_step
+        return self.sampler.start_step
 
     def current_step(self) -> int:
         """The step being trained: the batch ``iterate`` last yielded, else the next one."""

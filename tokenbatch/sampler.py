@@ -189,6 +189,11 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
         return self._epoch
 
     @property
+    def start_step(self) -> int:
+        """The step of this epoch the next iteration starts at: 0, or where a resume or re-plan left it."""
+        return self._next_start
+
+    @property
     def plan(self) -> Plan:
         """This epoch's global plan, with every re-plan so far applied."""
         key = (self._epoch, self.num_replicas, self._epoch_max_tokens, tuple(self._replans))

@@ -44,13 +44,6 @@ class _Entry:
     generation: int
 
 
-def start_step(sampler: TokenBudgetBatchSampler) -> int:
-    """The step of the epoch the sampler's next iteration starts at (after a resume or a re-plan)."""
-    plan = sampler.plan
-    per_step = 1 if sampler.rank is not None else plan.num_replicas
-    return plan.num_steps - len(sampler) // per_step
-
-
 class Feed:
     """This epoch's batches, each with its step in the plan, restartable after a re-plan."""
 
@@ -58,7 +51,7 @@ class Feed:
         self.dataloader = dataloader
         self.sampler = sampler
         self.generation = 0
-        self.next_step = start_step(sampler)
+        self.next_step = sampler.start_step
         """The step of the next batch the DataLoader will give."""
         self.pending: deque[_Entry] = deque()
         """Batches handed to the Trainer and not yet back in ``training_step``, in order."""
@@ -122,7 +115,7 @@ class Feed:
         """After a re-plan: continue at the step the sampler's next iteration starts at."""
         self.close()
         self.generation += 1
-        self.next_step = start_step(self.sampler)
+        self.next_step = self.sampler.start_step
         self._exhausted = False
 
     def next_batch(self) -> tuple[Any, int] | None:
