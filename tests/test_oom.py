@@ -162,6 +162,25 @@ def test_resume_after_halving_keeps_the_budget_and_finishes_the_epoch() -> None:
     assert sorted(trained) == list(range(64)) and rest.events == []
 
 
+def test_resume_into_a_later_epoch_under_accelerate_one_process() -> None:
+    """accelerate's DataLoaderShard calls set_epoch(its own pass count) on one process."""
+    from accelerate.data_loader import DataLoaderShard
+
+    model = tiny_bert(0)
+    sampler = TokenBudgetBatchSampler(LENGTHS, 256, seed=0)
+    sampler.set_epoch(2)
+    expected = [i for batch in list(sampler)[2:] for i in batch]
+    state = sampler.state_dict(steps_done=2)
+    resumed = TokenBudgetBatchSampler(LENGTHS, 256, seed=0)
+    resumed.load_state_dict(state)
+    fallback = OOMFallback(resumed, model, mode="halve")
+    trained: list[int] = []
+    for batch in fallback.iterate(DataLoaderShard(ROWS, batch_sampler=resumed, collate_fn=collate)):
+        assert fallback.backward(batch, loss_fn(model)) is not None
+        trained += batch["idx"].tolist()
+    assert resumed.epoch == 2 and trained == expected
+
+
 def test_fallback_state_restores_the_micro_batch_budget() -> None:
     _, _, fallback = train("split", limit=200, epochs=1)
     fresh = OOMFallback(TokenBudgetBatchSampler(LENGTHS, 256, seed=0), tiny_bert(0))

@@ -44,6 +44,12 @@ class EpochCursor:
         """The batches of ``dataloader`` for this epoch; after a re-plan, a fresh iterator resumes."""
         self._check_feeds(dataloader)
         self.epoch = self.sampler.epoch
+        set_epoch = getattr(dataloader, "set_epoch", None)
+        if callable(set_epoch):
+            # accelerate's DataLoaderShard passes its own pass count to the sampler's set_epoch
+            # when iterated on one process: align it with the sampler, or a run resumed into a
+            # later epoch would be sent back to epoch 0.
+            set_epoch(self.epoch)
         self.steps_done = step = self.first_step()
         self._iterating = True
         try:
