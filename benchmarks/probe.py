@@ -108,8 +108,8 @@ def serve(spec: dict[str, Any]) -> None:
     import accelerate.utils.memory  # noqa: F401  (is_oom asks it; not to be imported under the limit)
     import torch
 
-    from tokenbatch import CostModel
-    from tokenbatch._probe_step import default_loss, held_bytes, is_oom, synthetic_batch
+    from tokenbatch import CostModel, is_oom
+    from tokenbatch._probe_step import default_loss, held_bytes, synthetic_batch
 
     torch.set_num_threads(1)  # also: no OpenMP thread pool for the forks to inherit
     model = build(spec).train()

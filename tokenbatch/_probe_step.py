@@ -44,26 +44,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from tokenbatch.oom import is_oom
+
 MakeBatch = Callable[[int, int, torch.Generator], Any]
 LossFn = Callable[[Any, Any], torch.Tensor]
-
-
-def is_oom(error: BaseException) -> bool:
-    """Whether ``error`` is out of memory: ``torch.OutOfMemoryError`` (CUDA, XPU), or an error
-    accelerate's ``should_reduce_batch_size`` recognises (the CPU allocator's, MPS's, ...).
-
-    Without accelerate installed only ``torch.OutOfMemoryError`` counts: the CPU
-    allocator raises a plain ``RuntimeError``, which then propagates.
-    """
-    if isinstance(error, torch.OutOfMemoryError):
-        return True
-    if not isinstance(error, Exception):
-        return False
-    try:
-        from accelerate.utils.memory import should_reduce_batch_size
-    except ImportError:
-        return False
-    return bool(should_reduce_batch_size(error))
 
 
 @dataclass(frozen=True)

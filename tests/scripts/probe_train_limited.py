@@ -72,8 +72,8 @@ def main() -> None:
     import accelerate.utils.memory  # noqa: F401
     from transformers import BertConfig, BertForSequenceClassification
 
-    from tokenbatch import CostModel, TokenBudgetBatchSampler
-    from tokenbatch._probe_step import held_bytes, is_oom
+    from tokenbatch import CostModel, TokenBudgetBatchSampler, is_oom
+    from tokenbatch._probe_step import held_bytes
 
     spec = json.loads(sys.argv[1])
     torch.set_num_threads(1)  # also: no OpenMP thread pool to break in the forks
