@@ -247,20 +247,14 @@ def _cpu_phase_peaks(first: Callable[[], None], second: Callable[[], None]) -> t
             boundary = e.start_ns()
     if boundary is None:
         raise RuntimeError("the torch profiler recorded no phase mark; cannot split the probe step")
-    events.sort(key=lambda item: item[0])
-    current = peak_first = peak_second = 0
-    net_first: int | None = None
-    for start, nbytes in events:
-        if net_first is None and start >= boundary:
-            net_first = peak_second = current
-        current += nbytes
-        if net_first is None:
-            peak_first = max(peak_first, current)
-        else:
-            peak_second = max(peak_second, current)
-    if net_first is None:
-        net_first = peak_second = current
-    return peak_first, net_first, peak_second - net_first
+    events.sort(key=lambda item: item[0])  # stable: same-instant events keep their order
+    starts = np.array([start for start, _ in events], dtype=np.int64)
+    running = np.cumsum(np.array([nbytes for _, nbytes in events], dtype=np.int64))
+    split = int(np.searchsorted(starts, boundary))  # the events before the mark are ``first``'s
+    net_first = int(running[split - 1]) if split else 0
+    peak_first = int(running[:split].max(initial=0))
+    peak_second = int(running[split:].max(initial=net_first)) - net_first
+    return peak_first, net_first, peak_second
 
 
 class StepRunner:
