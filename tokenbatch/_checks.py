@@ -90,16 +90,18 @@ def lengths_array(lengths: Any) -> np.ndarray:
     if np.issubdtype(array.dtype, np.floating):
         bad = np.flatnonzero(~np.isfinite(array))
         if bad.size:
-            raise ValueError(f"lengths should be finite integers, but lengths[{bad[0]}]={array[bad[0]]!r}")
+            raise ValueError(
+                f"lengths should be finite integers, but lengths[{bad[0]}]={array[bad[0]].item()!r}"
+            )
         bad = np.flatnonzero(array != np.floor(array))
         if bad.size:
             raise ValueError(
-                f"lengths should be whole numbers of tokens, but lengths[{bad[0]}]={array[bad[0]]!r}"
+                f"lengths should be whole numbers of tokens, but lengths[{bad[0]}]={array[bad[0]].item()!r}"
             )
     bad = np.flatnonzero(array < 1)
     if bad.size:
         raise ValueError(
             f"lengths should be integers >= 1 (the padded length of each example), "
-            f"but lengths[{bad[0]}]={array[bad[0]]!r}"
+            f"but lengths[{bad[0]}]={array[bad[0]].item()!r}"
         )
     return array.astype(np.int64, copy=False)

@@ -212,13 +212,20 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
             drop_last=self.drop_last,
             oversize=self.oversize,
         )
-        if len(plan.skipped) or len(plan.dropped):
+        if len(plan.skipped):
             logger.warning(
-                "epoch %d: left out %d sample(s) that alone exceed max_tokens=%g (oversize='skip') "
-                "and dropped %d to give %d rank(s) equal batches (drop_last=True)",
+                "epoch %d: left out %d sample(s) that alone exceed max_tokens=%g (oversize='skip'), "
+                "for example sample %d",
                 self._epoch,
                 len(plan.skipped),
                 max_tokens,
+                plan.skipped[0],
+            )
+        if len(plan.dropped):
+            logger.warning(
+                "epoch %d: dropped %d sample(s) so that %d ranks get the same number of batches "
+                "(drop_last=True)",
+                self._epoch,
                 len(plan.dropped),
                 world,
             )

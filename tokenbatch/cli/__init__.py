@@ -40,7 +40,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         status: int = args.func(args)
-    except (ValueError, TypeError, FileNotFoundError) as error:
+    except (ValueError, TypeError, KeyError, OSError) as error:
         parser.exit(2, f"tokenbatch {args.command}: error: {error}\n")
     return status
 
