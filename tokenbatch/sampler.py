@@ -58,6 +58,16 @@ class PlanStats:
     num_dropped: int
 
 
+def _per_sample_costs(cost: CostModel, keys: np.ndarray) -> np.ndarray:
+    """``cost.sample_cost(keys)``, through a table of the lengths when that is cheaper."""
+    longest = int(keys.max())
+    if longest <= 4 * len(keys):  # one entry per length up to the longest: far fewer than samples
+        table = cost.sample_cost(np.arange(longest + 1))
+        per_sample: np.ndarray = table[keys]
+        return per_sample
+    return cost.sample_cost(keys)
+
+
 class TokenBudgetBatchSampler(Sampler[list[int]]):
     """Batches of similar-length samples, each within a memory budget.
 
@@ -146,7 +156,7 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
             )
         # Sort keys and per-sample costs are computed once for the dataset.
         self._keys = np.asarray(self.cost.padded_length(self.lengths), dtype=np.int64)
-        self._unit = self.cost.sample_cost(self._keys)
+        self._unit = _per_sample_costs(self.cost, self._keys)
         self._max_tokens = _checks.positive_number("max_tokens", max_tokens)
         if self.oversize == "error" and self._unit.max() > self._max_tokens:
             too_big = np.flatnonzero(self._unit > self._max_tokens)

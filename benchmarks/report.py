@@ -1,0 +1,230 @@
+"""Plots and ``RESULTS.md`` from the per-benchmark results: ``python -m benchmarks.report``.
+
+Reads ``<name>.json`` and ``<name>.md`` from the results folder, draws PNGs
+beside them (matplotlib, Agg backend) and writes one Markdown page: a header
+(machine, commands, how to reproduce), then a section per benchmark with a
+short reading of its numbers, its plots and its tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from benchmarks import common
+from benchmarks.readings import READERS, headline
+
+MODULES = ("padding", "planning", "training", "oom_recovery", "probe", "gpu")
+TITLES = {
+    "padding": "Padding and steps",
+    "planning": "Planning speed",
+    "training": "Training throughput (CPU)",
+    "oom_recovery": "OOM recovery",
+    "probe": "Budget probe",
+    "gpu": "GPU",
+}
+METHOD_STYLE = {
+    "tokenbatch": ("tab:blue", "o"),
+    "sorted_greedy": ("black", "x"),
+    "random_fixed": ("tab:red", "^"),
+    "length_grouped": ("tab:orange", "s"),
+}
+
+
+def _pyplot() -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_padding(data: dict[str, Any], out: Path) -> list[str]:
+    """Efficiency and steps / lower bound versus budget, one panel per data set and cost (1 process)."""
+    plt = _pyplot()
+    from matplotlib import ticker
+
+    rows = [r for r in data["rows"] if r["processes"] == 1]
+    panels = sorted(
+        {(r["dataset"], r["cost"]) for r in rows}, key=lambda p: (list(data["datasets"]).index(p[0]), p[1])
+    )
+    written = []
+    for metric, label, name in (
+        ("efficiency", "padding efficiency (real / padded cost)", "padding_efficiency.png"),
+        ("steps_over_lower_bound", "steps / lower bound (log)", "padding_steps.png"),
+    ):
+        columns = min(4, len(panels))
+        lines = -(-len(panels) // columns)
+        fig, axes = plt.subplots(lines, columns, figsize=(4 * columns, 3.3 * lines), squeeze=False)
+        for ax, (dataset, cost) in zip(axes.flat, panels, strict=False):
+            for method, (color, marker) in METHOD_STYLE.items():
+                points = sorted(
+                    (r["budget"], r[metric])
+                    for r in rows
+                    if (r["dataset"], r["cost"], r["method"]) == (dataset, cost, method)
+                )
+                if points:
+                    # Dashed, so it shows where it coincides with random_fixed (same batch size).
+                    style = "--" if method == "length_grouped" else "-"
+                    ax.plot(*zip(*points, strict=True), style, color=color, marker=marker, label=method)
+            ax.set_xscale("log", base=2)
+            if metric == "steps_over_lower_bound":
+                ax.set_yscale("log")
+                ax.yaxis.set_major_formatter(ticker.FormatStrFormatter("%g"))
+                low, high = ax.get_ylim()
+                if high / low < 20:  # label minor ticks only where there are few of them
+                    ax.yaxis.set_minor_formatter(ticker.FormatStrFormatter("%g"))
+                    ax.tick_params(axis="y", which="minor", labelsize=7)
+                else:
+                    ax.yaxis.set_minor_formatter(ticker.NullFormatter())
+            else:
+                ax.set_ylim(0, 1.02)
+            ax.set_title(f"{dataset}, {cost} cost", fontsize=10)
+            ax.set_xlabel("budget (max_tokens)")
+            ax.grid(alpha=0.3)
+        for ax in axes.flat[len(panels) :]:
+            ax.axis("off")
+        axes[0][0].set_ylabel(label)
+        axes[0][0].legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=90)
+        plt.close(fig)
+        written.append(name)
+    return written
+
+
+def plot_planning(data: dict[str, Any], out: Path) -> list[str]:
+    """Planning time versus N on log axes, with numpy.argsort beside it."""
+    plt = _pyplot()
+    rows = data["rows"]
+    n = [r["n"] for r in rows]
+    fig, ax = plt.subplots(figsize=(5.5, 4))
+    for key, label, style in (
+        ("first_plan_s", "sampler built + first plan", "o-"),
+        ("epoch_plan_s", "each later epoch's plan", "s-"),
+        ("argsort_s", "numpy.argsort (same array)", "x--"),
+    ):
+        ax.plot(n, [r[key] for r in rows], style, label=label)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("number of lengths N")
+    ax.set_ylabel("seconds (median)")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "planning_time.png", dpi=90)
+    plt.close(fig)
+    return ["planning_time.png"]
+
+
+def plot_training(data: dict[str, Any], out: Path, name: str) -> list[str]:
+    """Real tokens per second per method, from any rows that carry a ``*tokens_per_s`` value."""
+    rows = data.get("rows")
+    if not isinstance(rows, list):
+        return []
+    bars = []
+    for row in rows:
+        if not isinstance(row, dict):
+            continue
+        key = next((k for k in row if "tokens_per_s" in k and isinstance(row[k], int | float)), None)
+        if key is None:
+            continue
+        label = str(row.get("method", "?"))
+        if "processes" in row:
+            label += f" ({row['processes']}p)"
+        bars.append((label, float(row[key])))
+    if not bars:
+        return []
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(max(5.0, 1.2 * len(bars)), 4))
+    ax.bar([b[0] for b in bars], [b[1] for b in bars], color="tab:blue")
+    ax.set_ylabel("real tokens per second")
+    ax.tick_params(axis="x", rotation=30, labelsize=8)
+    fig.tight_layout()
+    file = f"{name}_tokens_per_s.png"
+    fig.savefig(out / file, dpi=90)
+    plt.close(fig)
+    return [file]
+
+
+PLOTTERS = {"padding": plot_padding, "planning": plot_planning}
+
+
+def header(results: dict[str, dict[str, Any]]) -> str:
+    machine = next(iter(results.values()))["machine"] if results else common.machine_info()
+    commands = "\n".join(f"    {r['command']}" for r in results.values())
+    return f"""# tokenbatch benchmarks
+
+Measured side by side in one run of the suite on: {machine["cpu"]}, {machine["cores"]} cores,
+Python {machine["python"]}, torch {machine["torch"]}, GPU: {machine["cuda"] or "none"}.
+The machine is shared with other jobs: times are medians of repeats, and
+comparisons are ratios measured side by side in the same run, never across runs.
+
+Commands that produced these results:
+
+{commands}
+
+Reproduce everything (from the repository root, with the `benchmarks` extra installed):
+
+    python -m benchmarks            # full runs, writes benchmarks/results/ and this page
+    python -m benchmarks --quick    # about a minute per benchmark; the smoke test runs this
+    python -m benchmarks --only padding
+    python -m benchmarks.report     # redraw plots and this page from benchmarks/results/
+"""
+
+
+def assemble(results_dir: Path, output: Path) -> tuple[str, list[str]]:
+    """The RESULTS.md text (to be written at ``output``) and the plots drawn for it."""
+    results = {}
+    for name in MODULES:
+        path = results_dir / f"{name}.json"
+        if path.exists():
+            results[name] = json.loads(path.read_text())
+    parts = [header(results), headline(results)]
+    plots = []
+    for name, data in results.items():
+        parts.append(f"## {TITLES[name]}\n")
+        reading = READERS.get(name)
+        if reading is not None:
+            parts.append(reading(data) + "\n")
+        plotter = PLOTTERS.get(name)
+        drawn = plotter(data, results_dir) if plotter else []
+        if name in ("training", "gpu") and not data.get("skipped"):
+            drawn += plot_training(data, results_dir, name)
+        for file in drawn:
+            parts.append(f"![{file}]({os.path.relpath(results_dir / file, output.parent)})\n")
+        plots += drawn
+        md = results_dir / f"{name}.md"
+        if md.exists():
+            # Demote the benchmark's own headings below this page's section heading.
+            parts.append(
+                "\n".join(
+                    "#" + line if line.startswith("#") else line for line in md.read_text().splitlines()
+                )
+            )
+        parts.append("")
+    missing = [m for m in MODULES if m not in results]
+    if missing:
+        parts.append(f"Not in this run (module missing or not run): {', '.join(missing)}.\n")
+    return "\n".join(parts), plots
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.report", description=__doc__.splitlines()[0])
+    parser.add_argument("--results", type=Path, default=common.RESULTS, help="folder with <name>.json/.md")
+    parser.add_argument("--output", type=Path, default=common.REPO / "benchmarks" / "RESULTS.md")
+    args = parser.parse_args(argv)
+    text, plots = assemble(args.results.resolve(), args.output.resolve())
+    args.output.write_text(text.rstrip() + "\n")
+    print(f"[report] wrote {args.output} and {len(plots)} plot(s): {', '.join(plots)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,193 @@
+"""The benchmark suite runs end to end (``python -m benchmarks --quick``), and its metrics are right."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # benchmarks/ is not part of the installed package
+    sys.path.insert(0, str(REPO))
+
+from benchmarks import common, gpu, padding  # noqa: E402
+from tokenbatch import CostModel, TokenBudgetBatchSampler  # noqa: E402
+from tokenbatch.compare import (  # noqa: E402
+    fixed_batch_size,
+    from_batches,
+    lower_bound_steps,
+    measure,
+    repetition,
+)
+
+MODULES = ("padding", "planning", "training", "oom_recovery", "probe", "gpu")
+
+
+@pytest.fixture(scope="module")
+def quick_results(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One quick run of the whole suite, shared by the checks below."""
+    out = tmp_path_factory.mktemp("bench")
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
+    env.update(HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "--quick", "--out", str(out)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=540,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    return out
+
+
+@pytest.mark.slow
+def test_every_written_benchmark_leaves_results(quick_results: Path) -> None:
+    for name in MODULES:
+        if (REPO / "benchmarks" / f"{name}.py").exists():
+            data = json.loads((quick_results / f"{name}.json").read_text())
+            assert data["benchmark"] == name
+            assert (quick_results / f"{name}.md").read_text().startswith("Command: `python -m benchmarks.")
+    page = (quick_results / "RESULTS.md").read_text()
+    assert "## Padding and steps" in page and "## Planning speed" in page
+    for png in ("padding_efficiency.png", "padding_steps.png", "planning_time.png"):
+        assert (quick_results / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert f"]({png})" in page
+
+
+@pytest.mark.slow
+def test_padding_results_are_sane(quick_results: Path) -> None:
+    data = json.loads((quick_results / "padding.json").read_text())
+    rows = data["rows"]
+    assert {r["method"] for r in rows} >= set(padding.METHODS)
+    assert {r["processes"] for r in rows} == {1, 2}
+    for row in rows:
+        assert 0 < row["efficiency"] <= 1 + 1e-12, row
+        assert row["steps_over_lower_bound"] >= 1 - 1e-9, row  # it is a lower bound
+        assert 0 <= row["repetition"] <= 1, row
+        if row["method"] in ("tokenbatch", "sorted_greedy"):
+            assert row["max_budget_use"] <= 1 + 1e-12, row
+        if row["method"] == "sorted_greedy":
+            assert row["repetition"] == 1.0
+    greedy = {
+        (r["dataset"], r["cost"], r["budget"]): r["steps"] for r in rows if r["method"] == "sorted_greedy"
+    }
+    for row in rows:
+        if row["method"] == "tokenbatch" and row["processes"] == 1:
+            # The sorted greedy pass uses the fewest batches any batching can.
+            assert row["steps"] >= greedy[(row["dataset"], row["cost"], row["budget"])]
+            random_row = next(
+                r
+                for r in rows
+                if r["method"] == "random_fixed"
+                and (r["dataset"], r["cost"], r["budget"], r["processes"])
+                == (row["dataset"], row["cost"], row["budget"], 1)
+            )
+            assert row["steps"] <= random_row["steps"]
+    assert [t["target"] for t in data["targets"]] == [
+        "emotion, linear, max_tokens=16384",
+        "lognormal, quadratic, max_tokens=131072",
+    ]
+
+
+@pytest.mark.slow
+def test_planning_and_gpu_results_are_sane(quick_results: Path) -> None:
+    planning = json.loads((quick_results / "planning.json").read_text())
+    assert [r["n"] for r in planning["rows"]] == [10**4, 10**5, 10**6]
+    for row in planning["rows"]:
+        for key in ("argsort_s", "first_plan_s", "epoch_plan_s", "first_over_argsort", "epoch_over_argsort"):
+            assert row[key] > 0, (key, row)
+        assert row["first_plan_peak_bytes_per_sample"] > row["input_bytes_per_sample"]
+    gpu_result = json.loads((quick_results / "gpu.json").read_text())
+    assert gpu_result["skipped"] is (not torch.cuda.is_available())
+
+
+# -- the metrics, checked against brute force -------------------------------------------
+
+
+def _random_batching(rng: np.random.Generator, n: int) -> list[list[int]]:
+    order = rng.permutation(n).tolist()
+    cuts = sorted(rng.choice(np.arange(1, n), size=rng.integers(0, n - 1), replace=False).tolist())
+    return [order[a:b] for a, b in itertools.pairwise([0, *cuts, n])]
+
+
+def test_repetition_matches_pairwise_count() -> None:
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        n = int(rng.integers(2, 30))
+        first, second = _random_batching(rng, n), _random_batching(rng, n)
+        mates_first = {i: set(b) - {i} for b in first for i in b}
+        mates_second = {i: set(b) - {i} for b in second for i in b}
+        shares = [len(m & mates_second[i]) / len(m) for i, m in mates_first.items() if m]
+        expected = float(np.mean(shares)) if shares else 0.0
+        assert repetition(from_batches(first), from_batches(second), n) == pytest.approx(expected)
+
+
+def test_measure_agrees_with_the_sampler_stats() -> None:
+    lengths = np.random.default_rng(1).integers(1, 300, 2000)
+    cost = CostModel(quadratic=1 / 1024)
+    sampler = TokenBudgetBatchSampler(lengths, 8192, cost=cost, seed=3)
+    stats = sampler.stats()
+    ours = measure((sampler.plan.order, sampler.plan.offsets), lengths, cost, 8192)
+    assert ours.efficiency == pytest.approx(stats.cost_efficiency)
+    assert ours.token_efficiency == pytest.approx(stats.padding_efficiency)
+    assert ours.mean_budget_use == pytest.approx(stats.mean_budget_use)
+    assert ours.steps == stats.num_steps
+    expected_bound = float(cost.sample_cost(lengths).sum()) / 8192
+    assert ours.steps_over_lower_bound == pytest.approx(stats.num_steps / expected_bound)
+    assert lower_bound_steps(lengths, cost, 8192, 2) == pytest.approx(expected_bound / 2)
+
+
+def _fewest_batches(lengths: list[int], cost: CostModel, budget: float) -> int:
+    """Brute force over every set partition."""
+
+    def partitions(items: list[int]) -> list[list[list[int]]]:
+        if not items:
+            return [[]]
+        first, rest = items[0], items[1:]
+        result = []
+        for smaller in partitions(rest):
+            result.append([[first], *smaller])
+            for k in range(len(smaller)):
+                result.append([*smaller[:k], [first, *smaller[k]], *smaller[k + 1 :]])
+        return result
+
+    fits = [p for p in partitions(lengths) if all(cost.cost(len(b), max(b)) <= budget for b in p)]
+    return min(len(p) for p in fits)
+
+
+def test_sorted_greedy_uses_the_fewest_batches() -> None:
+    rng = np.random.default_rng(2)
+    cost = CostModel(quadratic=1 / 16)
+    for _ in range(30):
+        lengths = rng.integers(1, 20, int(rng.integers(1, 8)))
+        budget = float(cost.sample_cost(int(lengths.max()))) * float(rng.uniform(1, 4))
+        _, offsets = padding.sorted_greedy(lengths, cost, budget)
+        assert len(offsets) - 1 == _fewest_batches(lengths.tolist(), cost, budget)
+
+
+def test_fixed_batch_size_is_the_largest_that_fits() -> None:
+    lengths = np.array([10, 87, 3])
+    size = fixed_batch_size(lengths, CostModel(), 16384)
+    assert CostModel().cost(size, 87) <= 16384 < CostModel().cost(size + 1, 87)
+    with pytest.raises(ValueError, match="raise max_tokens to at least 87"):
+        fixed_batch_size(lengths, CostModel(), 50)
+
+
+def test_synthetic_fallback_without_data(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(common, "data_dir", lambda: None)
+    sets = {d.name: d for d in padding.datasets(quick=True)}
+    assert sets["emotion"].source.startswith("SYNTHETIC") and sets["imdb"].source.startswith("SYNTHETIC")
+    assert sets["emotion"].lengths.max() <= 87 and sets["imdb"].lengths.max() <= 512
+    texts, labels, _, _, source = gpu.load_emotion(64)
+    assert source.startswith("SYNTHETIC") and len(texts) == len(labels) == 64
+    assert set(labels) <= set(range(6))
