@@ -86,7 +86,7 @@ def seed_worker(argv: list[str]) -> None:
     # accelerate completes the last step by repeating a few texts; count each text once.
     dataset_tokens = int(column_lengths(encoded["train"]).sum())
 
-    @find_executable_batch_size(starting_batch_size=args.batch_size)
+    @find_executable_batch_size(starting_batch_size=args.batch_size)  # type: ignore[untyped-decorator]
     def inner_training_loop(batch_size: int) -> None:
         accelerator.free_memory()
         set_seed(args.seed)
@@ -259,7 +259,7 @@ def time_to(epochs: list[dict[str, Any]], target: float) -> float | None:
     """Wall time (training and validation) until validation macro-F1 first reaches ``target``."""
     elapsed = 0.0
     for record in epochs:
-        elapsed += record["epoch_seconds"]
+        elapsed += float(record["epoch_seconds"])
         if record["macro_f1"] >= target:
             return elapsed
     return None
@@ -418,7 +418,25 @@ def main(argv: list[str] | None = None) -> None:
     )
     settings = {k: v for k, v in vars(args).items() if k != "out"}
     settings.update(max_tokens=budget, longest=longest, crossover=crossover)
-    results = {"settings": settings, "arms": arms, "summary": summary, "throughput": throughput}
+    # One row per arm (and per interleaved measurement) for benchmarks.report's tokens/s plot.
+    plot_rows = [
+        {"method": label, "processes": args.processes, **values} for label, values in summary.items()
+    ]
+    plot_rows += [
+        {
+            "method": f"{arm} (interleaved)",
+            "processes": args.processes,
+            "tokens_per_s": throughput[f"{arm}_tokens_per_second"],
+        }
+        for arm in ("seed", "tokenbatch")
+    ]
+    results = {
+        "settings": settings,
+        "rows": plot_rows,
+        "arms": arms,
+        "summary": summary,
+        "throughput": throughput,
+    }
     common.write_results(NAME, args.out, results, markdown)
     print(markdown)
 
