@@ -113,6 +113,7 @@ def test_set_epoch_same_epoch_keeps_resumed_position() -> None:
     resumed = TokenBudgetBatchSampler(lengths, 512, seed=2)
     resumed.load_state_dict(state)
     resumed.set_epoch(3)  # a training loop calling set_epoch on resume must not lose the position
+    assert resumed.start_step == 4
     assert list(resumed) == batches[4:]
     resumed.set_epoch(4)
     assert len(resumed) == len(list(resumed))
@@ -125,6 +126,7 @@ def test_replan_stops_a_running_iterator() -> None:
     taken = [next(iterator) for _ in range(3)]
     sampler.replan(512, steps_done=2)  # the third batch was fetched but not trained
     assert list(iterator) == []
+    assert sampler.start_step == 2
     rest = list(sampler)
     assert sorted(i for b in taken[:2] + rest for i in b) == list(range(400))
     assert sampler.state_dict()["max_tokens"] == 512.0

@@ -244,7 +244,12 @@ def test_replan_mid_epoch_keeps_every_sample_once(case: Case, data: st.DataObjec
     # A second re-plan on top of the first, then resume from a state_dict.
     if rest:
         more = data.draw(st.integers(done, len(batches) // world))
-        sampler.replan(old_budget * factor / 2, steps_done=more)
+        try:
+            sampler.replan(old_budget * factor / 2, steps_done=more)
+        except ValueError as error:  # e.g. 25 single-sample batches cannot make 2 equal shares
+            assert "cannot give each of" in str(error)
+            assert sampler.max_tokens == old_budget * factor  # unchanged by the failed re-plan
+            return
         state = sampler.state_dict()
         assert state["steps_done"] == more
         tail = list(sampler)

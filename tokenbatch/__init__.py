@@ -2,17 +2,26 @@
 
 from tokenbatch.cost import CostModel
 from tokenbatch.lengths import column_lengths, text_lengths
+from tokenbatch.oom import OOMEvent, OOMFallback, RankFailedError, SampleTooLargeError, is_oom
 from tokenbatch.plan import OversizeSampleError
+from tokenbatch.probe import ProbeResult, find_max_tokens
 from tokenbatch.sampler import PlanStats, TokenBudgetBatchSampler
 
 __version__ = "0.1.0"
 
 __all__ = [
     "CostModel",
+    "OOMEvent",
+    "OOMFallback",
     "OversizeSampleError",
     "PlanStats",
+    "ProbeResult",
+    "RankFailedError",
+    "SampleTooLargeError",
     "TokenBudgetBatchSampler",
     "__version__",
     "column_lengths",
+    "find_max_tokens",
+    "is_oom",
     "text_lengths",
 ]

@@ -189,6 +189,11 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
         return self._epoch
 
     @property
+    def start_step(self) -> int:
+        """The step of this epoch the next iteration starts at: 0, or where a resume or re-plan left it."""
+        return self._next_start
+
+    @property
     def plan(self) -> Plan:
         """This epoch's global plan, with every re-plan so far applied."""
         key = (self._epoch, self.num_replicas, self._epoch_max_tokens, tuple(self._replans))
@@ -302,6 +307,10 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
 
         Call it before each epoch, as with ``DistributedSampler``. Setting the
         epoch the sampler is already in keeps a resumed position and any re-plan.
+        On one process, accelerate's prepared DataLoader calls this itself with
+        its own count of passes; when you resume into a later epoch without
+        ``OOMFallback.iterate`` (which aligns the two), also call
+        ``train_dataloader.set_epoch(epoch)`` on the prepared DataLoader.
         """
         epoch = _checks.non_negative_int("epoch", epoch)
         if epoch == self._epoch:

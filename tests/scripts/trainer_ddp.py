@@ -1,0 +1,72 @@
+"""TokenBudgetTrainer on 2 processes (``accelerate launch``, CPU, gloo), out-of-memory injected on one rank.
+
+Usage: accelerate launch --num_processes 2 trainer_ddp.py DATA_DIR OUT_DIR
+
+Scenarios, one after the other in the same processes, each rank writing
+``OUT_DIR/<scenario>.rank<r>.json`` (what tests/test_integration_transformers.py checks):
+
+- ``split``: oom_mode="split", out of memory in the forward pass on rank 1 only.
+- ``halve``: oom_mode="halve", gradient accumulation 2, out of memory in the
+  backward pass on rank 0 only; checkpoints after step 3 and at the end of epoch 0.
+- ``resumed``: a fresh trainer resumed from the step-3 checkpoint of ``halve``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from trainer_common import OOM_LIMIT, flat_params, make_trainer, minilm_tokenizer, save_at
+
+from tokenbatch.testing import inject_oom
+
+CHECKPOINT_STEP = 3
+
+
+def run(name: str, data_dir: str, out: Path, tokenizer: Any, *, where: str, ranks: tuple[int, ...],
+        resume: str | None = None, **options: Any) -> Any:  # fmt: skip
+    trainer = make_trainer(data_dir, tokenizer, out / name, **options)
+    if name == "halve":
+        trainer.add_callback(save_at(steps=(CHECKPOINT_STEP,), epochs=(0,)))
+    injector = inject_oom(trainer.model, OOM_LIMIT, where=where, ranks=ranks)
+    result = trainer.train(resume_from_checkpoint=resume)
+    injector.remove()  # evaluation is not guarded
+    rank = trainer.accelerator.process_index
+    report = {
+        "rank": rank,
+        "world": trainer.accelerator.num_processes,
+        "global_step": result.global_step,
+        "max_steps": trainer.state.max_steps,
+        "injected": injector.count,
+        "events": [event.as_dict() for event in trainer.oom_events],
+        "max_tokens": trainer.oom_fallback.max_tokens,
+        "sampler_max_tokens": trainer.train_sampler.max_tokens,
+        "steps": trainer.recorder.steps,
+        "logs": trainer.recorder.logs,
+        "params": flat_params(trainer.model).tolist()[:2000],
+        "eval": trainer.evaluate(),
+    }
+    (out / f"{name}.rank{rank}.json").write_text(json.dumps(report))
+    trainer.accelerator.wait_for_everyone()  # the checkpoints are complete before anyone resumes
+    return trainer
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    data_dir, out = sys.argv[1], Path(sys.argv[2])
+    tokenizer = minilm_tokenizer()
+    run("split", data_dir, out, tokenizer, oom_mode="split", where="forward", ranks=(1,))
+    run("halve", data_dir, out, tokenizer, oom_mode="halve", accumulation=2, where="backward", ranks=(0,))
+    checkpoint = out / "halve" / f"checkpoint-{CHECKPOINT_STEP}"
+    run("resumed", data_dir, out, tokenizer, oom_mode="halve", accumulation=2, where="backward", ranks=(0,),
+        resume=str(checkpoint))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

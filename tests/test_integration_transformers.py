@@ -1,0 +1,317 @@
+"""TokenBudgetTrainer end to end on CPU: a tiny BERT, the real MiniLM tokenizer, an emotion slice.
+
+Out-of-memory errors are real ``torch.OutOfMemoryError`` exceptions, raised
+in the forward or backward pass by ``tokenbatch.testing.inject_oom`` (over a
+cost) or by ``CallOOM`` (at a chosen batch). Which samples each optimizer
+step used is read from the gradients (see tests/scripts/trainer_common.py),
+not from tokenbatch's own bookkeeping.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import os
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tokenbatch import TokenBudgetBatchSampler, column_lengths
+from tokenbatch.testing import inject_oom
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPTS = REPO / "tests" / "scripts"
+sys.path.insert(0, str(SCRIPTS))
+try:
+    import trainer_common as tc
+finally:
+    sys.path.pop(0)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread() -> Any:
+    """One thread (the machine is shared), set before the module's runs so they all reduce in one order."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    yield
+    torch.set_num_threads(threads)
+
+
+def uses_per_epoch(steps: list[dict[str, Any]]) -> dict[int, Counter[int]]:
+    """For each epoch, how many optimizer steps each sample's gradient reached."""
+    counts: dict[int, Counter[int]] = {}
+    for step in steps:
+        counts.setdefault(step["epoch"], Counter()).update(step["samples"])
+    return counts
+
+
+def assert_every_sample_once(steps: list[dict[str, Any]], epochs: int) -> None:
+    counts = uses_per_epoch(steps)
+    assert sorted(counts) == list(range(epochs))
+    for epoch, count in counts.items():
+        assert sorted(count) == list(range(tc.TRAIN_SIZE)), f"epoch {epoch} missed samples"
+        assert set(count.values()) == {1}, f"epoch {epoch} used a sample twice: {count.most_common(3)}"
+
+
+def assert_one_run(trainer: Any, steps: list[dict[str, Any]]) -> None:
+    """Global step counted from 0 to the end under one schedule, decaying to its end without a restart."""
+    assert [s["global_step"] for s in steps] == list(range(len(steps)))
+    assert trainer.state.global_step == trainer.state.max_steps == len(steps)
+    rates = [s["lr"] for s in steps]
+    assert all(rate > 0 for rate in rates)
+    assert all(later <= earlier for earlier, later in itertools.pairwise(rates))
+    assert rates[-1] < 0.2 * rates[0]
+
+
+def first_plan_cost(trainer: Any, step: int) -> float:
+    """Padded tokens of batch ``step`` in epoch 0's plan (one process), as the injector measures them."""
+    sampler = TokenBudgetBatchSampler(trainer.train_sampler.lengths, tc.MAX_TOKENS, seed=0, oversize="alone")
+    batch = sampler.plan.batch(step)
+    return float(len(batch) * sampler.lengths[batch].max())
+
+
+@pytest.fixture(scope="module")
+def split_run(tmp_path_factory: pytest.TempPathFactory, emotion_data_dir: Path, minilm_tokenizer: Any) -> Any:
+    """oom_mode="split", OOM in the forward of batches over OOM_LIMIT padded tokens; a checkpoint kept."""
+    trainer = tc.make_trainer(emotion_data_dir, minilm_tokenizer, tmp_path_factory.mktemp("split"))
+    trainer.add_callback(tc.save_at(steps=(2,)))
+    trainer.injector = inject_oom(trainer.model, tc.OOM_LIMIT, where="forward")
+    trainer.train()
+    trainer.injector.remove()
+    return trainer
+
+
+def test_split_mode_survives_oom_in_place(split_run: Any) -> None:
+    trainer, injector, steps = split_run, split_run.injector, split_run.recorder.steps
+
+    assert injector.count == 1  # the costliest batch comes first; micro-batches fit after it
+    (event,) = trainer.oom_events
+    assert (event.epoch, event.step, event.where, event.old_max_tokens) == (0, 0, ("forward",), tc.MAX_TOKENS)
+    assert event.new_max_tokens == 0.5 * min(tc.MAX_TOKENS, first_plan_cost(trainer, 0))
+    assert trainer.oom_fallback.max_tokens == event.new_max_tokens
+    assert trainer.train_sampler.max_tokens == tc.MAX_TOKENS  # split mode keeps the planned batches
+    assert max(injector.costs[1:]) <= event.new_max_tokens
+    assert_every_sample_once(steps, epochs=2)
+    assert_one_run(trainer, steps)
+    # As many optimizer steps as the two epochs' plans have batches: the schedule was sized exactly.
+    planned = 0
+    for epoch in range(2):
+        probe = TokenBudgetBatchSampler(
+            trainer.train_sampler.lengths, tc.MAX_TOKENS, seed=0, oversize="alone"
+        )
+        probe.set_epoch(epoch)
+        planned += len(probe)
+    assert trainer.state.global_step == planned
+    logs = [log for log in trainer.recorder.logs if "loss" in log]
+    assert len(logs) == len(steps)
+    assert [log["step_samples"] for log in logs] == [len(s["samples"]) for s in steps]
+    assert {log["max_tokens"] for log in logs} == {event.new_max_tokens}
+    assert {log["oom_events"] for log in logs} == {1.0}
+    assert logs[-1]["epoch"] == 2.0
+
+
+def test_split_mode_trains_as_if_nothing_had_failed(
+    emotion_data_dir: Path, minilm_tokenizer: Any, tmp_path: Path
+) -> None:
+    """Gradient accumulation 2, a loss normalised by num_items, OOM in the backward of a group's 2nd batch."""
+    options = {"accumulation": 2, "items_loss": True, "epochs": 1}
+    plain = tc.make_trainer(emotion_data_dir, minilm_tokenizer, tmp_path / "plain", oom_mode=None, **options)
+    plain.train()
+    guarded = tc.make_trainer(
+        emotion_data_dir, minilm_tokenizer, tmp_path / "guarded", oom_mode="split", **options
+    )
+    failure = tc.CallOOM(guarded.model, {2}, where="backward")
+    guarded.train()
+
+    assert failure.raised == 1
+    (event,) = guarded.oom_events
+    assert (event.step, event.where) == (1, ("backward",))  # the group's first batch kept its gradient
+    assert event.new_max_tokens == 0.5 * min(tc.MAX_TOKENS, first_plan_cost(guarded, 1))
+    assert [s["samples"] for s in guarded.recorder.steps] == [s["samples"] for s in plain.recorder.steps]
+    assert [s["lr"] for s in guarded.recorder.steps] == [s["lr"] for s in plain.recorder.steps]
+    assert_every_sample_once(guarded.recorder.steps, epochs=1)
+    difference = (tc.flat_params(guarded.model) - tc.flat_params(plain.model)).abs().max().item()
+    assert difference < 1e-5  # micro-batches differ only in float rounding
+
+
+@pytest.fixture(scope="module")
+def halve_run(tmp_path_factory: pytest.TempPathFactory, emotion_data_dir: Path, minilm_tokenizer: Any) -> Any:
+    """oom_mode="halve", accumulation 2, OOM in the forward of a group's 2nd batch; checkpoints kept."""
+    out = tmp_path_factory.mktemp("halve")
+    trainer = tc.make_trainer(emotion_data_dir, minilm_tokenizer, out, oom_mode="halve", accumulation=2)
+    trainer.add_callback(tc.save_at(steps=(3,), epochs=(0,)))
+    failure = tc.CallOOM(trainer.model, {2}, where="forward")
+    trainer.train()
+    failure.remove()
+    return trainer
+
+
+def test_halve_mode_replans_and_stretches_the_run(halve_run: Any) -> None:
+    trainer, steps = halve_run, halve_run.recorder.steps
+    (event,) = trainer.oom_events
+    assert (event.step, event.where, event.mode) == (1, ("forward",), "halve")
+    assert event.new_max_tokens == 0.5 * min(tc.MAX_TOKENS, first_plan_cost(trainer, 1))
+    assert trainer.train_sampler.max_tokens == trainer.oom_fallback.max_tokens == event.new_max_tokens
+    # The first group trained its first batch and, in place of the failed one, the new plan's first.
+    assert_every_sample_once(steps, epochs=2)
+    assert_one_run(trainer, steps)
+    # More, smaller batches: the run grew past the schedule's original length, which was stretched to it.
+    length = trainer.lr_scheduler.length
+    assert trainer.state.max_steps > length
+    assert steps[-1]["lr"] == pytest.approx(1e-3 / length)  # the original schedule's last step
+    assert {s["max_steps"] for s in steps} == {trainer.state.max_steps}  # grown at the first step
+    logs = [log for log in trainer.recorder.logs if "loss" in log]
+    assert [log["step_samples"] for log in logs] == [len(s["samples"]) for s in steps]
+    assert logs[0]["max_tokens"] == event.new_max_tokens
+
+
+@pytest.mark.parametrize(
+    ("mode", "checkpoint"),
+    [("split", "checkpoint-2"), ("halve", "checkpoint-3"), ("halve", "end-of-epoch-0")],
+)
+def test_resume_continues_at_the_same_sample_with_the_same_budget(
+    request: pytest.FixtureRequest, emotion_data_dir: Path, minilm_tokenizer: Any, tmp_path: Path, mode: str,
+    checkpoint: str,
+) -> None:  # fmt: skip
+    original = request.getfixturevalue(f"{mode}_run")
+    out = Path(original.args.output_dir)
+    if checkpoint == "end-of-epoch-0":
+        end = max(s["global_step"] for s in original.recorder.steps if s["epoch"] == 0) + 1
+        checkpoint = f"checkpoint-{end}"
+    state = json.loads((out / checkpoint / "tokenbatch_state.json").read_text())
+    assert state["fallback"]["max_tokens"] == original.oom_fallback.max_tokens
+    accumulation = original.args.gradient_accumulation_steps
+
+    resumed = tc.make_trainer(
+        emotion_data_dir, minilm_tokenizer, tmp_path, oom_mode=mode, accumulation=accumulation
+    )
+    # Anything above the shrunk budget (a forgotten re-plan or micro-batch budget) runs out of memory.
+    injector = inject_oom(resumed.model, original.oom_fallback.max_tokens, where="forward")
+    resumed.train(resume_from_checkpoint=str(out / checkpoint))
+
+    assert injector.count == 0
+    start = int(checkpoint.split("-")[1])
+    expected = [s for s in original.recorder.steps if s["global_step"] >= start]
+    assert resumed.recorder.steps == expected  # same samples, budget, learning rate, run length
+    assert resumed.oom_events == original.oom_events
+    assert torch.equal(tc.flat_params(resumed.model), tc.flat_params(original.model))
+
+
+def test_evaluation_and_prediction_use_the_eval_budget(
+    emotion_data_dir: Path, minilm_tokenizer: Any, tmp_path: Path
+) -> None:
+    trainer = tc.make_trainer(
+        emotion_data_dir, minilm_tokenizer, tmp_path, oom_mode=None, eval_max_tokens=200
+    )
+    dataset = tc.tokenized(emotion_data_dir, minilm_tokenizer, "validation", tc.EVAL_SIZE)
+    meter = inject_oom(trainer.model, 1e12)  # records the cost of every forward pass
+    output = trainer.predict(dataset)
+    metrics = trainer.evaluate()
+
+    assert 2 < meter.calls < 2 * tc.EVAL_SIZE and max(meter.costs) <= 200 < 2 * max(meter.costs)
+    assert output.label_ids.tolist() == dataset["label"]  # back in dataset order
+    model = trainer.model.eval()
+    with torch.no_grad():
+        for row, ids in enumerate(dataset["input_ids"]):
+            logits = model(input_ids=torch.tensor([ids])).logits[0]
+            assert torch.allclose(torch.as_tensor(output.predictions[row]), logits, atol=1e-5)
+    assert math.isclose(metrics["eval_loss"], output.metrics["test_loss"], rel_tol=1e-5)
+
+
+def test_settings_it_cannot_honour_are_refused(
+    emotion_data_dir: Path, minilm_tokenizer: Any, tmp_path: Path
+) -> None:
+    with pytest.raises(ValueError, match="max_tokens should be a positive"):
+        tc.make_trainer(emotion_data_dir, minilm_tokenizer, tmp_path, max_tokens=0)
+    with pytest.raises(ValueError, match="oom_mode should be 'split', 'halve' or None"):
+        tc.make_trainer(emotion_data_dir, minilm_tokenizer, tmp_path, oom_mode="retry")
+    trainer = tc.make_trainer(emotion_data_dir, minilm_tokenizer, tmp_path)
+    with pytest.raises(ValueError, match="auto_find_batch_size"):
+        trainer.args.auto_find_batch_size = True
+        type(trainer)(model=trainer.model, args=trainer.args, max_tokens=100)
+    trainer.args.auto_find_batch_size = False
+    trainer.args.num_train_epochs = 1.5
+    with pytest.raises(ValueError, match="num_train_epochs should be a whole number"):
+        type(trainer)(model=trainer.model, args=trainer.args, max_tokens=100)
+    trainer.args.num_train_epochs = 2
+    trainer.train_dataset = trainer.train_dataset.remove_columns(["input_ids"])
+    with pytest.raises(KeyError, match="Tokenize it first"):
+        trainer.get_train_dataloader()
+    (tmp_path / "checkpoint-1").mkdir()
+    with pytest.raises(ValueError, match="not saved by TokenBudgetTrainer"):
+        trainer.train(resume_from_checkpoint=str(tmp_path / "checkpoint-1"))
+
+
+@pytest.mark.slow
+def test_two_processes_recover_and_resume(
+    emotion_data_dir: Path, minilm_tokenizer: Any, tmp_path: Path
+) -> None:
+    """accelerate launch, 2 CPU processes: split (OOM on rank 1), halve with accumulation (rank 0), resume."""
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+        "ACCELERATE_USE_CPU": "1",
+        "OMP_NUM_THREADS": "1",
+        "HF_HUB_OFFLINE": "1",
+    }
+    command = [
+        sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+        "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+        "--main_process_port", "0", str(SCRIPTS / "trainer_ddp.py"), str(emotion_data_dir), str(tmp_path),
+    ]  # fmt: skip
+    try:
+        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=420)
+    except subprocess.TimeoutExpired as error:
+        pytest.fail(f"the 2-process run hung: {str(error.stderr)[-3000:]}")
+    assert done.returncode == 0, done.stderr[-4000:]
+    runs = {
+        name: [json.loads((tmp_path / f"{name}.rank{r}.json").read_text()) for r in range(2)]
+        for name in ("split", "halve", "resumed")
+    }
+    for name, (zero, one) in runs.items():
+        assert (zero["world"], zero["rank"], one["rank"]) == (2, 0, 1)
+        # Both ranks agree on everything: events, budgets, steps (gradients averaged), parameters.
+        for key in (
+            "events",
+            "max_tokens",
+            "sampler_max_tokens",
+            "steps",
+            "params",
+            "global_step",
+            "max_steps",
+        ):
+            assert zero[key] == one[key], (name, key)
+        assert (
+            zero["global_step"] == zero["max_steps"] == len(zero["steps"]) + zero["steps"][0]["global_step"]
+        )
+        logs = [log for log in zero["logs"] if "loss" in log]
+        assert [log["step_samples"] for log in logs] == [len(s["samples"]) for s in zero["steps"]]
+        assert {log["max_tokens"] for log in logs} == {zero["max_tokens"]}
+        assert zero["eval"]["eval_loss"] > 0
+    lengths = column_lengths(tc.tokenized(emotion_data_dir, minilm_tokenizer))
+    plan = TokenBudgetBatchSampler(lengths, tc.MAX_TOKENS, seed=0, oversize="alone", num_replicas=2).plan
+    for name, failing, where in (("split", 1, "forward"), ("halve", 0, "backward")):
+        zero, one = runs[name]
+        assert (zero["injected"], one["injected"]) == ((1, 0) if failing == 0 else (0, 1))
+        (event,) = zero["events"]
+        assert (event["ranks"], event["where"], event["mode"]) == ([failing], [where], name)
+        # The failing rank's first batch (the plan's costliest step comes first; rank r gets batch r of it).
+        failed = plan.batch(failing)
+        expected = 0.5 * min(tc.MAX_TOKENS, len(failed) * int(lengths[failed].max()))
+        assert zero["max_tokens"] == event["new_max_tokens"] == expected
+        assert_every_sample_once(zero["steps"], epochs=2)
+    assert runs["split"][0]["sampler_max_tokens"] == tc.MAX_TOKENS
+    assert runs["halve"][0]["sampler_max_tokens"] == runs["halve"][0]["max_tokens"]
+    halve, resumed = runs["halve"][0], runs["resumed"][0]
+    assert resumed["injected"] == 0 and resumed["events"] == halve["events"]
+    start = resumed["steps"][0]["global_step"]
+    assert start == 3
+    assert resumed["steps"] == [s for s in halve["steps"] if s["global_step"] >= start]
+    assert resumed["params"] == halve["params"]

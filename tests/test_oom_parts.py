@@ -1,0 +1,170 @@
+"""The OOM fallback's pure parts: recognising OOM errors, the budget rule, and splitting batches."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tokenbatch import CostModel, SampleTooLargeError, is_oom
+from tokenbatch._oom_types import OK, OOM, next_event
+from tokenbatch._split import inspect_batch, plan_micro_batches, split_batch, take_rows
+
+CPU_OOM = (
+    "[enforce fail at alloc_cpu.cpp:127] DefaultCPUAllocator: can't allocate memory: you tried to allocate 8"
+)
+
+
+# -- is_oom ----------------------------------------------------------------------------
+
+
+def test_is_oom_recognises_torch_and_allocator_errors() -> None:
+    assert is_oom(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB"))
+    assert is_oom(RuntimeError(CPU_OOM))
+    assert is_oom(RuntimeError("MPS backend out of memory (MPS allocated: 1 GB)"))
+    assert is_oom(RuntimeError("cuDNN error: CUDNN_STATUS_NOT_SUPPORTED. This error may appear if ..."))
+    assert not is_oom(RuntimeError("Expected all tensors to be on the same device"))
+    assert not is_oom(ValueError("out of patience"))
+    assert not is_oom(None)
+
+
+def test_is_oom_follows_cause_and_context() -> None:
+    def wrapped(explicit: bool) -> BaseException:
+        try:
+            try:
+                raise torch.OutOfMemoryError("CUDA out of memory.")
+            except RuntimeError as oom:
+                if explicit:
+                    raise KeyError("in a collator") from oom
+                raise KeyError("while handling it")  # noqa: B904 (context, not cause, on purpose)
+        except KeyError as error:
+            return error
+        raise AssertionError("unreachable")
+
+    assert is_oom(wrapped(True)) and is_oom(wrapped(False))
+    loop = ValueError("a")
+    loop.__context__ = ValueError("b")
+    loop.__context__.__context__ = loop  # a cycle must not hang
+    assert not is_oom(loop)
+
+
+def test_sample_too_large_is_final_even_with_an_oom_inside() -> None:
+    error = SampleTooLargeError("no", length=9, max_tokens=4.0, step=0, rank=0)
+    error.__cause__ = torch.OutOfMemoryError("CUDA out of memory.")
+    assert not is_oom(error)
+
+
+# -- the budget rule every rank applies -------------------------------------------------
+
+
+def rule(rows: list[list[float]], **kwargs: object) -> object:
+    options: dict[str, object] = dict(
+        epoch=1, step=7, mode="split", max_tokens=1000.0, factor=0.5, min_tokens=None, attempt=0
+    )
+    options.update(kwargs)
+    return next_event(rows, **options)  # type: ignore[arg-type]
+
+
+def test_new_budget_is_factor_times_the_smaller_of_budget_and_failed_cost() -> None:
+    event = rule([[OOM, 1, 400.0, 40, 10], [OOM, 2, 600.0, 60, 10], [OK, 0, 0, 0, 0]])
+    assert event.new_max_tokens == 300.0  # 0.5 * min(1000, 600)
+    assert (event.ranks, event.where, event.longest) == ((0, 1), ("forward", "backward"), 60)
+    assert rule([[OOM, 1, 5000.0, 500, 10]]).new_max_tokens == 500.0  # an oversize batch: the budget rules
+
+
+def test_single_sample_oom_raises_with_its_length() -> None:
+    with pytest.raises(SampleTooLargeError, match="single sample of 300 tokens") as info:
+        rule([[OK, 0, 0, 0, 0], [OOM, 2, 300.0, 300, 1]])
+    assert (info.value.length, info.value.rank, info.value.step, info.value.max_tokens) == (300, 1, 7, 1000.0)
+
+
+def test_min_tokens_is_a_floor_then_an_error() -> None:
+    assert rule([[OOM, 1, 900.0, 90, 10]], min_tokens=600.0).new_max_tokens == 600.0
+    with pytest.raises(SampleTooLargeError, match="already at min_tokens=600"):
+        rule([[OOM, 1, 500.0, 50, 10]], max_tokens=600.0, min_tokens=600.0)
+
+
+# -- reading and splitting batches ------------------------------------------------------
+
+
+def padded(lengths: list[int], *, left: bool = False) -> dict[str, torch.Tensor]:
+    width = max(lengths)
+    mask = torch.zeros(len(lengths), width, dtype=torch.long)
+    for i, n in enumerate(lengths):
+        if left:
+            mask[i, width - n :] = 1
+        else:
+            mask[i, :n] = 1
+    ids = mask * torch.arange(1, width + 1)
+    return {
+        "input_ids": ids,
+        "attention_mask": mask,
+        "labels": torch.arange(len(lengths)),
+        "targets": torch.rand(len(lengths), width),  # float (batch, width): multi-label, not per token
+    }
+
+
+def test_inspect_reads_lengths_and_padding_side() -> None:
+    shape = inspect_batch(padded([5, 3, 8]))
+    assert (shape.size, shape.width, shape.lengths.tolist(), shape.right_padded) == (3, 8, [5, 3, 8], True)
+    assert not inspect_batch(padded([5, 3, 8], left=True)).right_padded
+    ids_only = {"input_ids": padded([2, 4])["input_ids"]}
+    assert inspect_batch(ids_only, pad_token_id=0).lengths.tolist() == [2, 4]
+    assert inspect_batch(ids_only).lengths.tolist() == [4, 4]  # no pad id: every row is full width
+    assert inspect_batch((torch.zeros(6, 3), torch.zeros(6))).lengths.tolist() == [3] * 6
+    with pytest.raises(TypeError, match="no tensor"):
+        inspect_batch({"text": ["a"]})
+
+
+@pytest.mark.parametrize("budget", [1.0, 20.0, 33.0, 64.0, 1000.0])
+def test_micro_batches_cover_every_row_once_within_budget(budget: float) -> None:
+    rng = np.random.default_rng(int(budget))
+    lengths = rng.integers(1, 17, 23).tolist()
+    shape = inspect_batch(padded(lengths))
+    cost = CostModel(quadratic=1 / 16, pad_to_multiple_of=4)
+    groups = plan_micro_batches(shape, cost, budget)
+    assert sorted(np.concatenate(groups).tolist()) == list(range(23))
+    for rows in groups:
+        group_cost = len(rows) * float(cost.sample_cost(int(shape.lengths[rows].max())))
+        assert group_cost <= budget or len(rows) == 1
+
+
+def test_micro_batches_share_rows_evenly_when_they_can() -> None:
+    even = plan_micro_batches(inspect_batch(padded([10] * 13)), CostModel(), 60.0)
+    assert [len(rows) for rows in even] == [5, 4, 4]  # not 6, 6, 1
+    mixed = plan_micro_batches(inspect_batch(padded([10] + [1] * 9)), CostModel(), 10.0)
+    assert [len(rows) for rows in mixed] == [1, 9]  # sharing evenly would not fit: greedy
+
+
+def test_split_trims_right_padding_and_keeps_rows_aligned() -> None:
+    batch = padded([8, 2, 3, 7])
+    shape = inspect_batch(batch)
+    pieces = split_batch(batch, shape, CostModel(), 16.0)
+    assert [rows.tolist() for _, _, rows in pieces] == [[0, 3], [1, 2]]
+    second = pieces[1][0]
+    assert second["input_ids"].shape == (2, 3) and second["attention_mask"].sum().item() == 5
+    assert torch.equal(second["labels"], torch.tensor([1, 2]))
+    assert second["targets"].shape == (2, 8)  # float (batch, width) tensors keep their columns
+    assert sum(weight for _, weight, _ in pieces) == pytest.approx(1.0)
+    tokens = split_batch(batch, shape, CostModel(), 16.0, weight="tokens")
+    assert [w for _, w, _ in tokens] == pytest.approx([15 / 20, 5 / 20])
+    custom = split_batch(batch, shape, CostModel(), 16.0, weight=lambda b: float(b["labels"].sum()))
+    assert [w for _, w, _ in custom] == pytest.approx([3 / 6, 3 / 6])
+
+
+def test_left_padding_is_not_trimmed() -> None:
+    batch = padded([8, 2, 3, 7], left=True)
+    pieces = split_batch(batch, inspect_batch(batch), CostModel(), 16.0)
+    assert all(piece["input_ids"].shape[1] == 8 for piece, _, _ in pieces)
+
+
+def test_take_rows_keeps_the_batch_type() -> None:
+    from transformers import BatchEncoding
+
+    batch = BatchEncoding(padded([4, 2]))
+    part = take_rows(batch, inspect_batch(batch), np.array([1]), 2)
+    assert isinstance(part, BatchEncoding) and part["input_ids"].tolist() == [[1, 2]]
+    pair = (torch.arange(6).reshape(3, 2), torch.tensor([0, 1, 2]), "meta")
+    assert take_rows(pair, inspect_batch(pair), np.array([2]), None)[1].tolist() == [2]
+    with pytest.raises(ValueError, match="weight should be"):
+        split_batch(batch, inspect_batch(batch), CostModel(), 4.0, weight="rows")

@@ -1,0 +1,199 @@
+"""Reading a collated batch and cutting it into micro-batches that fit a budget.
+
+The OOM fallback's split mode works on whatever the collator returned: a
+dict (or ``BatchEncoding``) of tensors with the batch on dimension 0, a
+tuple or list of them, or one tensor. Each row's length comes from the
+``attention_mask`` (else ``input_ids`` against a pad id, else the padded
+width), and micro-batches are packed longest first so that each one can be
+trimmed to its own longest row when the batch is padded on the right.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from tokenbatch.cost import CostModel
+
+
+@dataclass(frozen=True)
+class BatchShape:
+    """What the splitter needs to know about one collated batch."""
+
+    size: int
+    """Rows in the batch."""
+    width: int
+    """The padded sequence length (1 for batches without a sequence dimension)."""
+    lengths: np.ndarray
+    """Each row's real length."""
+    right_padded: bool
+    """Padding sits at the end of each row, so trailing columns can be trimmed."""
+
+    def cost(self, cost: CostModel, rows: np.ndarray | None = None) -> float:
+        """The cost of ``rows`` (default: all) padded to their longest."""
+        lengths = self.lengths if rows is None else self.lengths[rows]
+        return float(len(lengths) * cost.sample_cost(int(lengths.max())))
+
+
+def _tensors(batch: Any) -> list[tuple[str | int, torch.Tensor]]:
+    if isinstance(batch, torch.Tensor):
+        return [(0, batch)]
+    if isinstance(batch, Mapping):
+        return [(k, v) for k, v in batch.items() if isinstance(v, torch.Tensor)]
+    if isinstance(batch, (tuple, list)):
+        return [(i, v) for i, v in enumerate(batch) if isinstance(v, torch.Tensor)]
+    return []
+
+
+def inspect_batch(batch: Any, pad_token_id: int | None = None) -> BatchShape:
+    """The rows, padded width and real row lengths of a collated batch.
+
+    Raises:
+        TypeError: the batch holds no tensor with a batch dimension.
+    """
+    tensors = _tensors(batch)
+    mask = batch.get("attention_mask") if isinstance(batch, Mapping) else None
+    ids = batch.get("input_ids") if isinstance(batch, Mapping) else None
+    if isinstance(mask, torch.Tensor) and mask.dim() == 2:
+        bool_mask = mask.detach().to("cpu") != 0
+        lengths = bool_mask.sum(dim=1).numpy().astype(np.int64)
+        # Right padding: every row starts with a real token (rows are never empty).
+        right = bool(bool_mask[:, 0].all())
+        return BatchShape(int(mask.shape[0]), int(mask.shape[1]), np.maximum(lengths, 1), right)
+    if isinstance(ids, torch.Tensor) and ids.dim() == 2:
+        size, width = int(ids.shape[0]), int(ids.shape[1])
+        if pad_token_id is None:
+            return BatchShape(size, width, np.full(size, width, np.int64), False)
+        real = ids.detach().to("cpu") != pad_token_id
+        lengths = np.maximum(real.sum(dim=1).numpy().astype(np.int64), 1)
+        return BatchShape(size, width, lengths, bool(real[:, 0].all()))
+    candidates = [t for _, t in tensors if t.dim() >= 1]
+    if not candidates:
+        raise TypeError(
+            f"cannot split a batch of type {type(batch).__name__} with no tensor in it; the collator "
+            f"should return a dict, tuple or list of tensors with the batch on dimension 0"
+        )
+    first = candidates[0]
+    size = int(first.shape[0])
+    width = int(first.shape[1]) if first.dim() >= 2 else 1
+    return BatchShape(size, width, np.full(size, width, np.int64), False)
+
+
+def plan_micro_batches(shape: BatchShape, cost: CostModel, budget: float) -> list[np.ndarray]:
+    """Rows of each micro-batch, longest first, each within ``budget`` (a row alone may exceed it).
+
+    Greedy packing along the rows sorted by length gives the fewest
+    micro-batches; the rows are then shared out evenly among that many, when
+    every share still fits, so that no micro-batch is a small remainder.
+    """
+    order = np.argsort(-shape.lengths, kind="stable")
+    units = cost.sample_cost(shape.lengths[order])  # each row's cost padded to itself, longest first
+
+    def fits(sizes: list[int]) -> bool:
+        starts = np.cumsum([0, *sizes[:-1]])
+        return all(
+            n == 1 or n * float(units[start]) <= budget for start, n in zip(starts, sizes, strict=True)
+        )
+
+    greedy: list[int] = []
+    start = 0
+    while start < len(order):
+        count = max(1, int(budget // float(units[start])))
+        while count > 1 and count * float(units[start]) > budget:  # float division can land one high
+            count -= 1
+        greedy.append(min(count, len(order) - start))
+        start += greedy[-1]
+    parts = len(greedy)
+    even = [len(order) // parts + (1 if i < len(order) % parts else 0) for i in range(parts)]
+    sizes = even if fits(even) else greedy
+    bounds = np.cumsum([0, *sizes])
+    return [np.sort(order[a:b]) for a, b in itertools.pairwise(bounds)]
+
+
+def take_rows(batch: Any, shape: BatchShape, rows: np.ndarray, width: int | None) -> Any:
+    """The sub-batch of ``rows``; tensors over (batch, sequence) cut to ``width`` columns if given.
+
+    A tensor is treated as per-token (and trimmed) when its first two
+    dimensions are (batch, padded width) and it is an integer or boolean
+    matrix (ids, masks, token labels) or has three or more dimensions
+    (embeddings); a float matrix of that shape (multi-label targets) is not.
+    """
+    index = torch.as_tensor(rows, dtype=torch.long)
+
+    def cut(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            if value.dim() == 0 or value.shape[0] != shape.size:
+                return value
+            part = value.index_select(0, index.to(value.device))
+            per_token = (
+                value.dim() >= 2
+                and value.shape[1] == shape.width
+                and (value.dim() >= 3 or not value.is_floating_point())
+            )
+            return part[:, :width] if width is not None and per_token else part
+        if isinstance(value, list) and len(value) == shape.size:
+            return [value[i] for i in rows.tolist()]
+        return value
+
+    if isinstance(batch, torch.Tensor):
+        return cut(batch)
+    if isinstance(batch, Mapping):
+        data = {key: cut(value) for key, value in batch.items()}
+        kind: Any = type(batch)  # dict, BatchEncoding, ...: keep the collator's type where it allows
+        try:
+            return kind(data)
+        except TypeError:
+            return data
+    if isinstance(batch, tuple):
+        return type(batch)(cut(v) for v in batch) if type(batch) is tuple else type(batch)(*map(cut, batch))
+    if isinstance(batch, list):
+        return [cut(v) for v in batch]
+    raise TypeError(f"cannot split a batch of type {type(batch).__name__}")
+
+
+def split_batch(
+    batch: Any,
+    shape: BatchShape,
+    cost: CostModel,
+    budget: float,
+    *,
+    weight: str | Callable[[Any], float] = "samples",
+    trim: bool = True,
+) -> list[tuple[Any, float, np.ndarray]]:
+    """``(micro_batch, loss_weight, rows)`` for each micro-batch; the weights sum to 1.
+
+    Args:
+        weight: ``"samples"`` (each micro-batch's share of the rows, for a loss
+            averaged over samples), ``"tokens"`` (its share of real tokens, for
+            a loss averaged over tokens), or a function of a micro-batch that
+            returns its share's numerator (for example its count of labelled tokens).
+        trim: cut each micro-batch to its longest row when the batch is
+            padded on the right.
+    """
+    groups = plan_micro_batches(shape, cost, budget)
+    pieces = []
+    for rows in groups:
+        width = None
+        if trim and shape.right_padded:
+            width = min(shape.width, int(cost.padded_length(int(shape.lengths[rows].max()))))
+        pieces.append((take_rows(batch, shape, rows, width), rows))
+    if weight == "samples":
+        shares = [float(len(rows)) for _, rows in pieces]
+    elif weight == "tokens":
+        shares = [float(shape.lengths[rows].sum()) for _, rows in pieces]
+    elif callable(weight):
+        shares = [float(weight(piece)) for piece, _ in pieces]
+    else:
+        raise ValueError(f"weight should be 'samples', 'tokens' or a function, but got weight={weight!r}")
+    total = sum(shares)
+    if total <= 0:
+        raise ValueError(
+            f"the weight function gave micro-batch shares {shares} that sum to {total}; it should "
+            f"return a positive count (e.g. of samples or labelled tokens) for each micro-batch"
+        )
+    return [(piece, share / total, rows) for (piece, rows), share in zip(pieces, shares, strict=True)]

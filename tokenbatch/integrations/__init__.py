@@ -1,0 +1,9 @@
+"""Glue between tokenbatch and training frameworks.
+
+Each integration is its own module, imported on demand, so that
+``import tokenbatch`` never pulls in a framework:
+
+- :mod:`tokenbatch.integrations.transformers`: :class:`TokenBudgetTrainer`, a
+  transformers ``Trainer`` that batches by token budget and survives
+  out-of-memory errors without restarting the run.
+"""

@@ -1,0 +1,145 @@
+"""Trainer's training step with its forward and backward passes run by :class:`~tokenbatch.OOMFallback`."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any, cast
+
+import torch
+from torch import nn
+
+from tokenbatch.oom import OOMFallback
+from tokenbatch.sampler import TokenBudgetBatchSampler
+
+logger = logging.getLogger("tokenbatch.integrations.transformers")
+
+
+class SyncEveryStep:
+    """The accelerator as the fallback sees it: gradients averaged across ranks after every batch.
+
+    With gradient accumulation, the gradients of the group's earlier batches
+    are kept aside while each batch runs (the fallback drops every gradient
+    when a batch fails) and added back after, so each batch's gradients are
+    averaged on their own: one all-reduce per batch rather than per group.
+    """
+
+    sync_gradients = True
+
+    def __init__(self, accelerator: Any) -> None:
+        self._accelerator = accelerator
+
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        self._accelerator.backward(loss, **kwargs)
+
+
+def labelled_items(trainer: Any, batch: Any) -> float:
+    """Items a batch's loss averages over, counted as Trainer counts ``num_items_in_batch``; else rows."""
+    labels = batch.get("labels") if isinstance(batch, Mapping) else None
+    if isinstance(labels, torch.Tensor) and labels.dim() > 0:
+        if getattr(trainer, "_loss_shifts_labels", False) and labels.dim() > 1:
+            labels = labels[..., 1:]
+        return float((labels != -100).sum())
+    values = batch.values() if isinstance(batch, Mapping) else [batch]
+    first = next((v for v in values if isinstance(v, torch.Tensor) and v.dim() > 0), None)
+    return float(first.shape[0]) if first is not None else 1.0
+
+
+def make_fallback(
+    trainer: Any, sampler: TokenBudgetBatchSampler, model: nn.Module, state: dict[str, Any] | None
+) -> OOMFallback:
+    """The trainer's fallback for ``model`` (as Trainer wrapped it), resumed from ``state`` if given."""
+    fallback = OOMFallback(
+        sampler,
+        model,
+        accelerator=SyncEveryStep(trainer.accelerator),
+        mode=trainer.oom_mode,
+        factor=trainer.oom_factor,
+        min_tokens=trainer.min_tokens,
+        # Shares that make the micro-batch losses add up to the batch loss (see guarded_step).
+        weight=lambda piece: max(labelled_items(trainer, piece), 1e-12),
+        pad_token_id=getattr(trainer.processing_class, "pad_token_id", None),
+    )
+    if state:
+        fallback.load_state_dict(state)
+    return fallback
+
+
+def guarded_step(
+    trainer: Any, fallback: OOMFallback, model: nn.Module, batch: Any, num_items: torch.Tensor | int | None
+) -> torch.Tensor | None:
+    """``Trainer.training_step`` for one batch, with forward and backward run by ``fallback``.
+
+    Returns the detached loss, or None when the fallback re-planned the epoch
+    (halve mode) instead of training this batch.
+    """
+    model.train()
+    if callable(getattr(trainer.optimizer, "train", None)):
+        trainer.optimizer.train()
+    batch = trainer._prepare_inputs(batch)
+    whole = labelled_items(trainer, batch)
+    scaled = getattr(trainer, "loss_is_scaled_for_ga", None)  # as Trainer.training_step decides it
+    if scaled is None:
+        scaled = (
+            trainer.model_accepts_loss_kwargs and num_items is not None
+        ) or trainer.compute_loss_func is not None
+
+    def loss_fn(part: Any) -> torch.Tensor:
+        items: torch.Tensor | float | None = num_items
+        count = labelled_items(trainer, part)
+        if items is not None and part is not batch and count > 0 and whole > 0:
+            # A loss normalised by num_items (a sum over items / N) becomes, for a micro-batch holding
+            # a share w of the items, (its sum) / (N * w): times the fallback's weight w, the sum over N.
+            items = items * (count / whole)
+        with trainer.compute_loss_context_manager():
+            # A copy: compute_loss may pop "labels", and a failed attempt is run again.
+            inputs = dict(part) if isinstance(part, Mapping) else part
+            loss = trainer.compute_loss(model, inputs, num_items_in_batch=items)
+        return cast(torch.Tensor, loss if scaled else loss / trainer.current_gradient_accumulation_steps)
+
+    # The fallback drops every gradient when a batch fails: keep the group's earlier batches' aside.
+    params = [p for p in model.parameters() if p.requires_grad]
+    kept: list[torch.Tensor | None] | None = [p.grad for p in params]
+    if any(grad is not None for grad in kept or []):
+        for param in params:
+            param.grad = None
+    else:
+        kept = None
+    try:
+        return fallback.backward(batch, loss_fn)
+    finally:
+        if kept is not None:
+            for param, grad in zip(params, kept, strict=True):
+                if grad is not None:
+                    param.grad = grad if param.grad is None else param.grad.add_(grad)
+
+
+def check_supported(trainer: Any) -> None:
+    """Raise for Trainer settings a token-budget run cannot honour.
+
+    Raises:
+        ValueError: ``auto_find_batch_size`` (it restarts the run), a
+            fractional ``num_train_epochs`` (epochs have a varying number of
+            steps), or an out-of-memory guard under DeepSpeed, FSDP or DataParallel.
+    """
+    args = trainer.args
+    if args.auto_find_batch_size:
+        raise ValueError(
+            "auto_find_batch_size=True restarts training with a smaller batch size on out-of-memory; "
+            "TokenBudgetTrainer recovers in place instead (oom_mode): set auto_find_batch_size=False"
+        )
+    if args.max_steps <= 0 and not float(args.num_train_epochs).is_integer():
+        raise ValueError(
+            f"num_train_epochs should be a whole number with TokenBudgetTrainer (epochs have a varying "
+            f"number of steps), but got num_train_epochs={args.num_train_epochs}; use max_steps instead"
+        )
+    if trainer.oom_mode is not None and (
+        trainer.is_deepspeed_enabled or trainer.is_fsdp_enabled or args.n_gpu > 1
+    ):
+        raise ValueError(
+            f"oom_mode={trainer.oom_mode!r} guards single-process and DDP training (accelerate launch, "
+            f"torchrun), not DeepSpeed, FSDP or DataParallel; use oom_mode=None there"
+        )
+    if getattr(args, "train_sampling_strategy", None) in ("group_by_length", "batch_rebalance"):
+        logger.warning("train_sampling_strategy=%r is ignored: batches follow the token budget",
+                       args.train_sampling_strategy)  # fmt: skip

@@ -1,0 +1,198 @@
+"""Fault injection: rehearse your out-of-memory path on any machine, GPU or not.
+
+:func:`inject_oom` makes a model raise a real ``torch.OutOfMemoryError`` (or
+the CPU allocator's ``RuntimeError``) whenever a batch's padded size exceeds
+a limit, in the forward or in the backward pass, on the ranks you choose.
+The error comes from inside the model call (a forward pre-hook) or from
+inside autograd (a gradient hook on the first parameter, so most of the
+backward pass has already run), exactly where a real one would.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from types import TracebackType
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.hooks import RemovableHandle
+
+from tokenbatch import _checks, distributed
+from tokenbatch.cost import CostModel
+
+__all__ = ["OOMInjector", "inject_oom"]
+
+WHERE = ("forward", "backward")
+KINDS = ("cuda", "cpu")
+
+
+def _batch_shape(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[int, int] | None:
+    """(rows, padded length) of the token tensor in a model call, if there is one."""
+    for name in ("attention_mask", "input_ids", "inputs_embeds"):
+        value = kwargs.get(name)
+        if isinstance(value, torch.Tensor) and value.dim() >= 2:
+            return int(value.shape[0]), int(value.shape[1])
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor) and value.dim() >= 2:
+            return int(value.shape[0]), int(value.shape[1])
+    return None
+
+
+class OOMInjector:
+    """Raises an out-of-memory error from a model whenever a batch costs more than ``max_tokens``.
+
+    Use :func:`inject_oom` to make one. ``count`` is how many errors it has
+    raised, ``calls`` how many forward passes it has seen, ``costs`` the cost
+    of each of them; ``remove()`` (or leaving the ``with`` block) takes the
+    hooks off.
+
+    Example:
+        >>> import torch
+        >>> from tokenbatch import is_oom
+        >>> from tokenbatch.testing import inject_oom
+        >>> model = torch.nn.Embedding(10, 4)
+        >>> with inject_oom(model, max_tokens=8) as injector:
+        ...     _ = model(torch.zeros(2, 3, dtype=torch.long))  # 6 padded tokens: fine
+        ...     try:
+        ...         model(torch.zeros(4, 3, dtype=torch.long))  # 12 padded tokens: out of memory
+        ...     except Exception as error:
+        ...         print(type(error).__name__, is_oom(error), injector.count)
+        OutOfMemoryError True 1
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        max_tokens: float,
+        *,
+        where: str = "forward",
+        ranks: Collection[int] | None = None,
+        times: int | None = None,
+        after: int = 0,
+        cost: CostModel | None = None,
+        kind: str = "cuda",
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(
+                f"model should be a torch.nn.Module, but got model of type {type(model).__name__}"
+            )
+        self.module = model.module if isinstance(model, DistributedDataParallel) else model
+        self.max_tokens = _checks.non_negative_number("max_tokens", max_tokens)
+        self.where = _checks.one_of("where", where, WHERE)
+        self.kind = _checks.one_of("kind", kind, KINDS)
+        self.ranks = None if ranks is None else frozenset(int(r) for r in ranks)
+        self.times = None if times is None else _checks.positive_int("times", times)
+        self.after = _checks.non_negative_int("after", after)
+        self.cost = CostModel() if cost is None else cost
+        self.count = 0
+        self.calls = 0
+        self.costs: list[float] = []
+        self._armed: tuple[int, int, float] | None = None  # the call backward should fail for
+        self._handles: list[RemovableHandle] = [
+            self.module.register_forward_pre_hook(self._pre_forward, with_kwargs=True)
+        ]
+        if self.where == "backward":
+            first = next((p for p in self.module.parameters() if p.requires_grad), None)
+            if first is None:
+                raise ValueError("where='backward' needs a model with a parameter that requires grad")
+            self._handles.append(first.register_hook(self._on_gradient))
+
+    def _due(self, batch_cost: float) -> bool:
+        if batch_cost <= self.max_tokens or self.calls <= self.after:
+            return False
+        if self.ranks is not None and distributed.rank() not in self.ranks:
+            return False
+        return self.times is None or self.count < self.times
+
+    def _error(self, rows: int, length: int, batch_cost: float) -> BaseException:
+        # Sized like the real thing: a float32 attention score tensor for the batch.
+        size = rows * length * length * 4
+        note = (
+            f"(injected by tokenbatch.testing in {self.where}: batch of {rows} x {length} costs "
+            f"{batch_cost:g} > max_tokens={self.max_tokens:g} on rank {distributed.rank()})"
+        )
+        if self.kind == "cpu":
+            return RuntimeError(
+                f"[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: can't allocate memory: "
+                f"you tried to allocate {size} bytes. Error code 12 (Cannot allocate memory) {note}"
+            )
+        return torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {size / 2**20:.2f} MiB. {note}")
+
+    def _pre_forward(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        shape = _batch_shape(args, kwargs)
+        if shape is None:
+            return None
+        rows, length = shape
+        batch_cost = float(self.cost.cost(rows, length))
+        self.calls += 1
+        self.costs.append(batch_cost)
+        self._armed = None
+        if self._due(batch_cost):
+            if self.where == "forward":
+                self.count += 1
+                raise self._error(rows, length, batch_cost)
+            if torch.is_grad_enabled():
+                self._armed = (rows, length, batch_cost)
+        return None
+
+    def _on_gradient(self, grad: torch.Tensor) -> None:
+        armed, self._armed = self._armed, None
+        if armed is not None:
+            self.count += 1
+            raise self._error(*armed)
+
+    def remove(self) -> None:
+        """Take the hooks off the model."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def __enter__(self) -> OOMInjector:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.remove()
+
+
+def inject_oom(
+    model: nn.Module,
+    max_tokens: float,
+    *,
+    where: str = "forward",
+    ranks: Collection[int] | None = None,
+    times: int | None = None,
+    after: int = 0,
+    cost: CostModel | None = None,
+    kind: str = "cuda",
+) -> OOMInjector:
+    """Make ``model`` run out of memory on batches that cost more than ``max_tokens``.
+
+    Works as a context manager or stays until ``.remove()``.
+
+    Args:
+        model: the model, plain or DDP-wrapped (the hooks go on the inner module,
+            so DDP's own forward runs as usual).
+        max_tokens: the limit; a model call whose (rows, padded length) costs
+            more raises. The batch shape is read from ``attention_mask``,
+            ``input_ids`` or ``inputs_embeds``, else the first 2-D tensor argument.
+        where: ``"forward"`` raises before the model runs; ``"backward"``
+            raises from autograd when the first parameter's gradient is
+            computed, near the end of the backward pass.
+        ranks: raise only on these ranks (default: all).
+        times: raise at most this many times (default: every time).
+        after: let the first ``after`` model calls through whatever their
+            cost (to rehearse an OOM in the middle of an epoch).
+        cost: how a batch is costed (default: padded tokens, rows x length).
+        kind: ``"cuda"`` raises ``torch.OutOfMemoryError``; ``"cpu"`` raises the
+            ``RuntimeError`` of PyTorch's CPU allocator.
+    """
+    return OOMInjector(
+        model, max_tokens, where=where, ranks=ranks, times=times, after=after, cost=cost, kind=kind
+    )
