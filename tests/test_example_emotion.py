@@ -119,19 +119,38 @@ def test_one_process_split(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["split", "halve"])
+@pytest.mark.parametrize(
+    "mode, where, rank",
+    [("split", "backward", "1"), ("halve", "forward", "0")],
+    ids=["split-backward-rank1", "halve-forward-rank0"],
+)
 def test_two_processes(
-    tmp_path: Path, emotion_data_dir: Path, minilm_path: str, train_tokens: int, mode: str
+    tmp_path: Path,
+    emotion_data_dir: Path,
+    minilm_path: str,
+    train_tokens: int,
+    mode: str,
+    where: str,
+    rank: str,
 ) -> None:
+    """OOM on one rank only: the other must follow it (agree, split or re-plan) and nothing hangs."""
     done, metrics = run_example(
-        tmp_path, emotion_data_dir, minilm_path, 2, "--oom_mode", mode, "--simulate_oom_above", "700"
+        tmp_path,
+        emotion_data_dir,
+        minilm_path,
+        2,
+        *("--oom_mode", mode, "--simulate_oom_above", "700"),
+        *("--simulate_oom_where", where, "--simulate_oom_rank", rank),
     )
     check_run(done, metrics, train_tokens)
     assert metrics["world_size"] == 2
+    assert {tuple(event["ranks"]) for event in metrics["oom_events"]} == {(int(rank),)}
     # Printed once, by the main process only.
     assert len(EPOCH_LINE.findall(done.stdout)) == EPOCHS
     if mode == "halve":  # the re-plan lowers the sampler's budget for the rest of training
         assert metrics["epochs"][-1]["sampler_max_tokens"] <= 512
+    else:  # split mode keeps the plan and its step count
+        assert metrics["epochs"][-1]["sampler_max_tokens"] == 1024
 
 
 @pytest.mark.parametrize(

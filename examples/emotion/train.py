@@ -18,7 +18,7 @@ See README.md beside this file for the commands and the output to expect.
 from __future__ import annotations
 
 import argparse
-import dataclasses
+import contextlib
 import json
 import logging
 import math
@@ -36,9 +36,17 @@ from accelerate.utils import set_seed
 from sklearn.metrics import f1_score
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
-from transformers import AutoModel, AutoTokenizer, BertConfig, BertModel, DataCollatorWithPadding
+from transformers import (
+    AutoModel,
+    AutoTokenizer,
+    BertConfig,
+    BertModel,
+    DataCollatorWithPadding,
+    PreTrainedModel,
+)
 
 from tokenbatch import CostModel, OOMFallback, TokenBudgetBatchSampler, column_lengths
+from tokenbatch.testing import inject_oom
 
 logger = logging.getLogger("emotion")
 
@@ -86,8 +94,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     batching.add_argument(
         "--simulate_oom_above",
         type=float,
-        help="rehearsal: raise torch.OutOfMemoryError for any training batch costing more than this",
+        help="rehearsal: training batches costing more than this raise a real torch.OutOfMemoryError",
     )
+    batching.add_argument(
+        "--simulate_oom_where", choices=("forward", "backward"), default="forward", help="where it raises"
+    )
+    batching.add_argument("--simulate_oom_rank", type=int, help="raise on this rank only (default: all)")
     training = parser.add_argument_group("training")
     training.add_argument("--learning_rate", type=float, default=5e-5)
     training.add_argument("--num_epochs", type=int, default=5)
@@ -144,7 +156,7 @@ def load_tokenizer(name: str) -> Any:
         ) from None
 
 
-def load_encoder(args: argparse.Namespace, tokenizer: Any) -> nn.Module:
+def load_encoder(args: argparse.Namespace, tokenizer: Any) -> PreTrainedModel:
     """The pretrained encoder, or with ``--tiny_model`` a tiny random BERT sized for tests."""
     if args.tiny_model:
         config = BertConfig(
@@ -156,24 +168,23 @@ def load_encoder(args: argparse.Namespace, tokenizer: Any) -> nn.Module:
             max_position_embeddings=max(512, args.max_length),
             pad_token_id=tokenizer.pad_token_id,
         )
-        encoder: nn.Module = BertModel(config, add_pooling_layer=False)
-        return encoder
-    encoder = AutoModel.from_pretrained(args.model_name)
-    # The head reads the [CLS] state, not the pooler. An unused pooler makes DDP fail
-    # unless find_unused_parameters=True (the seed's workaround), which costs a graph
-    # traversal every step; dropping it costs nothing.
+        return BertModel(config, add_pooling_layer=False)
+    encoder: PreTrainedModel = AutoModel.from_pretrained(args.model_name)
+    # The head reads the [CLS] state, not the pooler. Dropping the pooler saves its work
+    # and leaves no unused parameter, which plain DDP would otherwise need
+    # find_unused_parameters=True for (the seed's workaround: a graph traversal every step).
     if getattr(encoder, "pooler", None) is not None:
-        encoder.pooler = None
+        encoder.pooler = None  # type: ignore[assignment]  # BertModel.forward skips a None pooler
     return encoder
 
 
 class EmotionClassifier(nn.Module):
     """A linear layer on the encoder's [CLS] hidden state, with cross-entropy."""
 
-    def __init__(self, encoder: nn.Module, num_labels: int) -> None:
+    def __init__(self, encoder: PreTrainedModel, num_labels: int) -> None:
         super().__init__()
         self.encoder = encoder
-        self.linear = nn.Linear(encoder.config.hidden_size, num_labels)
+        self.linear = nn.Linear(int(encoder.config.hidden_size), num_labels)
         self.loss_fct = nn.CrossEntropyLoss()
 
     def forward(
@@ -204,7 +215,7 @@ def attention_crossover(config: Any) -> float:
     heads = getattr(config, "num_attention_heads", None)
     if not hidden or not heads:
         return 512.0
-    return 34.0 * hidden / (5.0 * heads)
+    return float(34.0 * hidden / (5.0 * heads))
 
 
 def tokenize(splits: datasets.DatasetDict, tokenizer: Any, max_length: int) -> datasets.DatasetDict:
@@ -224,7 +235,7 @@ def num_labels_of(train: datasets.Dataset) -> int:
     return max(len(LABELS), int(np.max(train.with_format("numpy")["labels"])) + 1)
 
 
-def evaluate(model: nn.Module, loader: DataLoader, accelerator: Accelerator) -> tuple[float, int]:
+def evaluate(model: nn.Module, loader: DataLoader[Any], accelerator: Accelerator) -> tuple[float, int]:
     """Validation macro-F1 over all processes' predictions, and how many were scored."""
     model.eval()
     predictions, references = [], []
@@ -244,12 +255,6 @@ def evaluate(model: nn.Module, loader: DataLoader, accelerator: Accelerator) -> 
     model.train()
     y_pred, y_true = np.concatenate(predictions), np.concatenate(references)
     return float(f1_score(y_true, y_pred, average="macro", zero_division=0)), len(y_true)
-
-
-def _event_record(event: Any) -> dict[str, Any]:
-    """An OOM event as JSON-ready fields (whatever the record type is)."""
-    fields = dataclasses.asdict(event) if dataclasses.is_dataclass(event) else dict(vars(event))
-    return {k: v if isinstance(v, int | float | str | None) else str(v) for k, v in fields.items()}
 
 
 def train(args: argparse.Namespace) -> dict[str, Any]:
@@ -290,15 +295,17 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     )
 
     def loss_fn(batch: Any) -> torch.Tensor:
-        if args.simulate_oom_above is not None:
-            width = batch["input_ids"].shape[1]
-            if cost.cost(batch["input_ids"].shape[0], width) > args.simulate_oom_above:
-                raise torch.OutOfMemoryError(
-                    f"simulated out of memory: batch {tuple(batch['input_ids'].shape)} costs more than "
-                    f"--simulate_oom_above {args.simulate_oom_above:g}"
-                )
-        loss, _ = model(**batch)
+        loss: torch.Tensor = model(**batch)[0]
         return loss
+
+    def rehearsal() -> contextlib.AbstractContextManager[Any]:
+        """During training only: batches above --simulate_oom_above raise a real OOM error."""
+        if args.simulate_oom_above is None:
+            return contextlib.nullcontext()
+        ranks = None if args.simulate_oom_rank is None else [args.simulate_oom_rank]
+        return inject_oom(
+            model, args.simulate_oom_above, where=args.simulate_oom_where, ranks=ranks, cost=cost
+        )
 
     results: dict[str, Any] = {"args": {k: str(v) for k, v in vars(args).items()}, "epochs": []}
     results.update(
@@ -314,17 +321,18 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             desc=f"epoch {epoch + 1}",
             disable=not accelerator.is_local_main_process,
         )
-        for batch in fallback.iterate(train_loader):
-            loss = fallback.backward(batch, loss_fn)
-            if loss is not None:  # None: this step hit OOM in halve mode and is re-planned
-                optimizer.step()
-                optimizer.zero_grad()
-                loss_sum += float(loss)
-                steps += 1
-                tokens += int(batch["attention_mask"].sum())
-            bar.total = sampler.plan.num_steps  # a re-plan changes the step count
-            bar.n = fallback.steps_done
-            bar.set_postfix(budget=f"{fallback.max_tokens:g}", loss=f"{loss_sum / max(steps, 1):.3f}")
+        with rehearsal():
+            for batch in fallback.iterate(train_loader):
+                loss = fallback.backward(batch, loss_fn)
+                if loss is not None:  # None: this step hit OOM in halve mode and is re-planned
+                    optimizer.step()
+                    optimizer.zero_grad()
+                    loss_sum += float(loss)
+                    steps += 1
+                    tokens += int(batch["attention_mask"].sum())
+                bar.total = sampler.plan.num_steps  # a re-plan changes the step count
+                bar.n = fallback.steps_done
+                bar.set_postfix(budget=f"{fallback.max_tokens:g}", loss=f"{loss_sum / max(steps, 1):.3f}")
         bar.close()
         train_seconds = time.perf_counter() - start
         totals = accelerator.reduce(
@@ -351,7 +359,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             f"({steps} steps, budget {record['max_tokens']:g}, {train_seconds:.1f} s, "
             f"{record['tokens_per_second']:,.0f} real tokens/s, {record['oom_events']} OOM events)"
         )
-    results["oom_events"] = [_event_record(event) for event in fallback.events]
+    results["oom_events"] = [event.as_dict() for event in fallback.events]
     if args.output_json is not None and accelerator.is_main_process:
         args.output_json.parent.mkdir(parents=True, exist_ok=True)
         args.output_json.write_text(json.dumps(results, indent=2, default=str) + "\n")
