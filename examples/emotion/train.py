@@ -31,7 +31,7 @@ import datasets
 import numpy as np
 import torch
 import torch.nn as nn
-from accelerate import Accelerator, DistributedDataParallelKwargs
+from accelerate import Accelerator
 from accelerate.utils import set_seed
 from sklearn.metrics import f1_score
 from torch.utils.data import DataLoader
@@ -104,11 +104,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     training.add_argument("--learning_rate", type=float, default=5e-5)
     training.add_argument("--num_epochs", type=int, default=5)
     training.add_argument("--seed", type=int, default=0)
-    training.add_argument(
-        "--find_unused_parameters",
-        action="store_true",
-        help="DDP option for encoders with parameters the [CLS] head leaves unused; BERT's pooler is dropped",
-    )
     training.add_argument("--output_json", type=Path, help="write per-epoch metrics here")
     args = parser.parse_args(argv)
     for name in ("max_tokens", "eval_max_tokens", "crossover", "simulate_oom_above"):
@@ -170,9 +165,7 @@ def load_encoder(args: argparse.Namespace, tokenizer: Any) -> PreTrainedModel:
         )
         return BertModel(config, add_pooling_layer=False)
     encoder: PreTrainedModel = AutoModel.from_pretrained(args.model_name)
-    # The head reads the [CLS] state, not the pooler. Dropping the pooler saves its work
-    # and leaves no unused parameter, which plain DDP would otherwise need
-    # find_unused_parameters=True for (the seed's workaround: a graph traversal every step).
+    # The head reads the [CLS] state, not the pooler: drop it, it would only cost compute.
     if getattr(encoder, "pooler", None) is not None:
         encoder.pooler = None  # type: ignore[assignment]  # BertModel.forward skips a None pooler
     return encoder
@@ -259,8 +252,9 @@ def evaluate(model: nn.Module, loader: DataLoader[Any], accelerator: Accelerator
 
 def train(args: argparse.Namespace) -> dict[str, Any]:
     """Run the whole fine-tuning; return the per-epoch metrics (identical on every process)."""
-    ddp = DistributedDataParallelKwargs(find_unused_parameters=args.find_unused_parameters)
-    accelerator = Accelerator(kwargs_handlers=[ddp])
+    # No find_unused_parameters (the seed's workaround for BERT's unused pooler): the
+    # pooler is dropped, and OOMFallback averages gradients itself outside DDP's hooks.
+    accelerator = Accelerator()
     set_seed(args.seed)
     if not accelerator.is_local_main_process:
         datasets.disable_progress_bars()
