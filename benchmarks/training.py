@@ -132,7 +132,7 @@ def seed_worker(argv: list[str]) -> None:
     inner_training_loop()
     if accelerator.is_main_process:
         Path(args.output_json).write_text(json.dumps(results, indent=2) + "\n")
-    accelerator.end_training()
+    example.finish(accelerator)
 
 
 def throughput_worker(argv: list[str]) -> None:
@@ -208,7 +208,8 @@ def throughput_worker(argv: list[str]) -> None:
             accelerator.print(f"round {number} {arm}: {total / seconds:.0f} real tokens/s")
     if accelerator.is_main_process:
         Path(args.output_json).write_text(json.dumps({"chunks": chunks}, indent=2) + "\n")
-    accelerator.end_training()
+    model, optimizer = accelerator.free_memory(model, optimizer)  # see example.finish
+    example.finish(accelerator)
 
 
 # -- the driver ---------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import logging
 import math
@@ -250,6 +251,19 @@ def evaluate(model: nn.Module, loader: DataLoader[Any], accelerator: Accelerator
     return float(f1_score(y_true, y_pred, average="macro", zero_division=0)), len(y_true)
 
 
+def finish(accelerator: Accelerator) -> None:
+    """Free the prepared model, then destroy the process group, on every process.
+
+    The order matters: a DDP model freed after ``end_training`` takes the gloo process
+    group down while holding the GIL, which can deadlock with gloo's worker threads (a
+    hang at exit, pytorch/pytorch#56297). Callers drop their own references first.
+    """
+    accelerator.wait_for_everyone()
+    accelerator.free_memory()
+    gc.collect()
+    accelerator.end_training()
+
+
 def train(args: argparse.Namespace) -> dict[str, Any]:
     """Run the whole fine-tuning; return the per-epoch metrics (identical on every process)."""
     # No find_unused_parameters (the seed's workaround for BERT's unused pooler): the
@@ -357,7 +371,9 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     if args.output_json is not None and accelerator.is_main_process:
         args.output_json.parent.mkdir(parents=True, exist_ok=True)
         args.output_json.write_text(json.dumps(results, indent=2, default=str) + "\n")
-    accelerator.end_training()
+    # Our own references to the DDP model go first (accelerate's idiom): see finish().
+    model, optimizer, fallback = accelerator.free_memory(model, optimizer, fallback)
+    finish(accelerator)
     return results
 
 
