@@ -1,5 +1,6 @@
 """tokenbatch: length-aware dynamic batching under a token budget, with an OOM fallback."""
 
+from tokenbatch.budget_cache import BudgetCache, BudgetKey
 from tokenbatch.cost import CostModel
 from tokenbatch.lengths import column_lengths, text_lengths
 from tokenbatch.oom import OOMEvent, OOMFallback, RankFailedError, SampleTooLargeError, is_oom
@@ -10,6 +11,8 @@ from tokenbatch.sampler import PlanStats, TokenBudgetBatchSampler
 __version__ = "0.1.0"
 
 __all__ = [
+    "BudgetCache",
+    "BudgetKey",
     "CostModel",
     "OOMEvent",
     "OOMFallback",
