@@ -115,10 +115,17 @@ def markdown_table(rows: Sequence[dict[str, Any]], columns: Sequence[str], digit
     return "\n".join(lines)
 
 
-def write_results(name: str, out: Path, results: dict[str, Any], markdown: str) -> None:
-    """Write ``<name>.json`` and ``<name>.md`` under ``out``, with the command and machine."""
+def write_results(
+    name: str, out: Path, results: dict[str, Any], markdown: str, variant: str | None = None
+) -> None:
+    """Write ``<name>.json`` and ``<name>.md`` under ``out``, with the command and machine.
+
+    A ``variant`` (another setting of the same benchmark, e.g. ``"1-process"``) goes to
+    ``<name>-<variant>.json``/``.md`` instead, and the report shows it in the same section.
+    """
     out.mkdir(parents=True, exist_ok=True)
     command = "python -m benchmarks." + name + (" " + " ".join(sys.argv[1:]) if sys.argv[1:] else "")
     payload = {"benchmark": name, "command": command, "machine": machine_info(), **results}
-    (out / f"{name}.json").write_text(json.dumps(payload, indent=2, default=float) + "\n")
-    (out / f"{name}.md").write_text(f"Command: `{command}`\n\n{markdown.strip()}\n")
+    stem = name if variant is None else f"{name}-{variant}"
+    (out / f"{stem}.json").write_text(json.dumps(payload, indent=2, default=float) + "\n")
+    (out / f"{stem}.md").write_text(f"Command: `{command}`\n\n{markdown.strip()}\n")

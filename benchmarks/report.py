@@ -156,9 +156,14 @@ def plot_training(data: dict[str, Any], out: Path, name: str) -> list[str]:
 PLOTTERS = {"padding": plot_padding, "planning": plot_planning}
 
 
-def header(results: dict[str, dict[str, Any]]) -> str:
+def variants(results_dir: Path, name: str) -> list[Path]:
+    """Other settings of benchmark ``name``: ``<name>-<variant>.json`` (see common.write_results)."""
+    return sorted(results_dir.glob(f"{name}-*.json"))
+
+
+def header(results: dict[str, dict[str, Any]], extra_commands: list[str]) -> str:
     machine = next(iter(results.values()))["machine"] if results else common.machine_info()
-    commands = "\n".join(f"    {r['command']}" for r in results.values())
+    commands = "\n".join(f"    {c}" for c in [*(r["command"] for r in results.values()), *extra_commands])
     return f"""# tokenbatch benchmarks
 
 Measured side by side in one run of the suite on: {machine["cpu"]}, {machine["cores"]} cores,
@@ -186,7 +191,9 @@ def assemble(results_dir: Path, output: Path) -> tuple[str, list[str]]:
         path = results_dir / f"{name}.json"
         if path.exists():
             results[name] = json.loads(path.read_text())
-    parts = [header(results), headline(results)]
+    extra = {name: variants(results_dir, name) for name in results}
+    extra_commands = [json.loads(p.read_text())["command"] for paths in extra.values() for p in paths]
+    parts = [header(results, extra_commands), headline(results)]
     plots = []
     for name, data in results.items():
         parts.append(f"## {TITLES[name]}\n")
@@ -200,15 +207,15 @@ def assemble(results_dir: Path, output: Path) -> tuple[str, list[str]]:
         for file in drawn:
             parts.append(f"![{file}]({os.path.relpath(results_dir / file, output.parent)})\n")
         plots += drawn
-        md = results_dir / f"{name}.md"
-        if md.exists():
-            # Demote the benchmark's own headings below this page's section heading.
-            parts.append(
-                "\n".join(
-                    "#" + line if line.startswith("#") else line for line in md.read_text().splitlines()
+        for md in [results_dir / f"{name}.md", *(p.with_suffix(".md") for p in extra[name])]:
+            if md.exists():
+                # Demote the benchmark's own headings below this page's section heading.
+                parts.append(
+                    "\n".join(
+                        "#" + line if line.startswith("#") else line for line in md.read_text().splitlines()
+                    )
                 )
-            )
-        parts.append("")
+                parts.append("")
     missing = [m for m in MODULES if m not in results]
     if missing:
         parts.append(f"Not in this run (module missing or not run): {', '.join(missing)}.\n")

@@ -438,7 +438,9 @@ def main(argv: list[str] | None = None) -> None:
         "summary": summary,
         "throughput": throughput,
     }
-    common.write_results(NAME, args.out, results, markdown)
+    # The 2-process run is the headline; other process counts are kept beside it.
+    variant = None if args.processes == 2 else f"{args.processes}-process"
+    common.write_results(NAME, args.out, results, markdown, variant)
     print(markdown)
 
 
