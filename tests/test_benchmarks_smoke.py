@@ -191,3 +191,14 @@ def test_synthetic_fallback_without_data(monkeypatch: pytest.MonkeyPatch) -> Non
     texts, labels, _, _, source = gpu.load_emotion(64)
     assert source.startswith("SYNTHETIC") and len(texts) == len(labels) == 64
     assert set(labels) <= set(range(6))
+
+
+def test_report_shows_a_variant_run_in_its_benchmarks_section(tmp_path: Path) -> None:
+    from benchmarks import report
+
+    for name, variant in (("probe", None), ("probe", "small")):
+        common.write_results(name, tmp_path, {"rows": []}, f"# {variant or 'main'} run\n\ntext", variant)
+    page, _ = report.assemble(tmp_path, tmp_path / "RESULTS.md")
+    section = page.split("## Budget probe", 1)[1]
+    assert section.index("## main run") < section.index("## small run")  # headings demoted, main first
+    assert page.count("python -m benchmarks.probe") >= 4  # both commands: in the header and in each part
