@@ -109,7 +109,7 @@ def serve(spec: dict[str, Any]) -> None:
     import torch
 
     from tokenbatch import CostModel, is_oom
-    from tokenbatch._probe_step import default_loss, held_bytes, synthetic_batch
+    from tokenbatch.probe import default_loss, held_bytes, synthetic_batch
 
     torch.set_num_threads(1)  # also: no OpenMP thread pool for the forks to inherit
     model = build(spec).train()
@@ -239,8 +239,7 @@ def run_case(case: dict[str, Any], quick: bool, servers: dict[str, TrialServer])
     """
     import torch
 
-    from tokenbatch.memory_model import estimate_memory
-    from tokenbatch.probe import find_max_tokens, measure_peak
+    from tokenbatch.probe import estimate_memory, find_max_tokens, measure_peak
 
     torch.set_num_threads(1)
     model = build(case)

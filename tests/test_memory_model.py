@@ -9,8 +9,15 @@ import torch
 from transformers import BertConfig, BertForSequenceClassification, GPT2Config, LlamaConfig, T5Config
 
 from tokenbatch import CostModel
-from tokenbatch.memory_model import estimate_memory, resolve_task, stores_attention_scores
-from tokenbatch.probe import find_max_tokens
+from tokenbatch.probe import (
+    MemoryEstimate,
+    MemoryFit,
+    MemoryModel,
+    estimate_memory,
+    find_max_tokens,
+    resolve_task,
+    stores_attention_scores,
+)
 
 
 def bert(layers: int, **overrides: Any) -> BertConfig:
@@ -19,8 +26,8 @@ def bert(layers: int, **overrides: Any) -> BertConfig:
 
 def per_layer(dtype: torch.dtype, device: str, attn: str, **overrides: Any) -> tuple[float, float]:
     """(linear, quadratic) bytes that one more BERT layer adds."""
-    one = estimate_memory(bert(1, **overrides), dtype=dtype, device=device, attn_implementation=attn)
-    two = estimate_memory(bert(2, **overrides), dtype=dtype, device=device, attn_implementation=attn)
+    one = MemoryModel.from_config(bert(1, **overrides), dtype=dtype, device=device, attn_implementation=attn)
+    two = MemoryModel.from_config(bert(2, **overrides), dtype=dtype, device=device, attn_implementation=attn)
     return two.linear - one.linear, two.quadratic - one.quadratic
 
 
@@ -66,21 +73,25 @@ def test_from_config_reads_attn_implementation_and_defaults_to_sdpa() -> None:
 
 
 def test_inference_needs_far_less_than_training() -> None:
-    train = estimate_memory(BertConfig(), attn_implementation="eager")
-    infer = estimate_memory(BertConfig(), attn_implementation="eager", training=False)
+    train = MemoryModel.from_config(BertConfig(), attn_implementation="eager")
+    infer = MemoryModel.from_config(BertConfig(), attn_implementation="eager", training=False)
     assert infer.linear < train.linear / 10 and infer.quadratic < train.quadratic / 5
     assert infer.constant < train.constant / 3  # no gradients, no optimizer state
 
 
 def test_decoders_and_heads() -> None:
-    gpt2 = estimate_memory(GPT2Config(), attn_implementation="sdpa", task="auto", dtype=torch.bfloat16)
+    gpt2 = MemoryModel.from_config(
+        GPT2Config(), attn_implementation="sdpa", task="auto", dtype=torch.bfloat16
+    )
     assert gpt2.quadratic == 3 and gpt2.linear > 0  # GPT2Config names no architecture: classification
-    lm = estimate_memory(GPT2Config(), attn_implementation="sdpa", task="causal-lm", dtype=torch.bfloat16)
+    lm = MemoryModel.from_config(
+        GPT2Config(), attn_implementation="sdpa", task="causal-lm", dtype=torch.bfloat16
+    )
     assert lm.linear - gpt2.linear == pytest.approx(50257 * (2 + 12), rel=1e-9)
     llama = LlamaConfig(hidden_size=512, intermediate_size=1376, num_attention_heads=8, num_hidden_layers=2)
-    mha = estimate_memory(llama, attn_implementation="flash_attention_2", dtype=torch.bfloat16)
+    mha = MemoryModel.from_config(llama, attn_implementation="flash_attention_2", dtype=torch.bfloat16)
     llama.num_key_value_heads = 2
-    gqa = estimate_memory(llama, attn_implementation="flash_attention_2", dtype=torch.bfloat16)
+    gqa = MemoryModel.from_config(llama, attn_implementation="flash_attention_2", dtype=torch.bfloat16)
     assert mha.linear - gqa.linear == 2 * 2 * 2 * (512 - 128)  # k and v narrower, 2 layers, 2 bytes
     assert mha.constant > gqa.constant
     assert resolve_task(BertConfig(architectures=["BertForMaskedLM"])) == "masked-lm"
@@ -89,13 +100,13 @@ def test_decoders_and_heads() -> None:
 
 def test_errors_name_the_argument() -> None:
     with pytest.raises(ValueError, match="encoder-decoder"):
-        estimate_memory(T5Config())
+        MemoryModel.from_config(T5Config())
     with pytest.raises(ValueError, match="attn_implementation should be one of"):
         CostModel.from_config(BertConfig(), attn_implementation="fast")
     with pytest.raises(ValueError, match="device should be one of"):
-        estimate_memory(BertConfig(), device="mps")
+        MemoryModel.from_config(BertConfig(), device="mps")
     with pytest.raises(ValueError, match="no room for activations"):
-        estimate_memory(BertConfig()).max_tokens(2**20)
+        MemoryModel.from_config(BertConfig()).budget(2**20)
 
 
 def test_estimate_is_within_15_percent_of_the_measured_fit() -> None:
@@ -113,9 +124,24 @@ def test_estimate_is_within_15_percent_of_the_measured_fit() -> None:
         measured = find_max_tokens(model, max_len=256, memory_limit=112 * 2**20).fit
     finally:
         torch.set_num_threads(threads)
-    estimate = estimate_memory(config, device="cpu")
+    estimate = MemoryModel.from_config(config, device="cpu")
     assert measured is not None
     assert estimate.linear == pytest.approx(measured.linear, rel=0.15)
     assert estimate.quadratic == pytest.approx(measured.quadratic, rel=0.15)
     per_sequence = estimate.cost_model().sample_cost(256)
     assert float(per_sequence) == pytest.approx(float(measured.cost_model().sample_cost(256)), rel=0.15)
+
+
+def test_the_estimate_is_the_cost_model_plus_the_constant() -> None:
+    config = GPT2Config(n_layer=2)
+    model = MemoryModel.from_config(config, dtype=torch.bfloat16, pad_to_multiple_of=8)
+    # The cost model's analytic terms are the memory model's, from the same formula.
+    assert model.cost_model() == CostModel.from_config(config, dtype=torch.bfloat16, pad_to_multiple_of=8)
+    assert model.step_peak == 0 and model.predict(2, 10) == model.constant + model.cost_model().cost(2, 10)
+    # The earlier names are the same type and function.
+    assert MemoryFit is MemoryModel and MemoryEstimate is MemoryModel
+    assert estimate_memory(config, dtype=torch.bfloat16) == MemoryModel.from_config(
+        config, dtype=torch.bfloat16
+    )
+    with pytest.raises(ValueError, match="pad_to_multiple_of should be"):
+        MemoryModel.from_config(config, pad_to_multiple_of=0)

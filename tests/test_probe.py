@@ -18,7 +18,7 @@ import torch
 from transformers import BertConfig, BertForSequenceClassification
 
 from tokenbatch import CostModel
-from tokenbatch.probe import Measurement, MemoryFit, ProbeResult, find_max_tokens, fit_memory, measure_peak
+from tokenbatch.probe import Measurement, MemoryModel, ProbeResult, find_max_tokens, fit_memory, measure_peak
 
 MiB = 2**20
 #: The data the shared fit probes for: its longest (128) and shortest (12) sequence set the range.
@@ -248,7 +248,7 @@ def test_lengths_set_the_range_and_the_result_is_json(
     assert result.steps >= len(payload["table"])
 
 
-def synthetic(fit: MemoryFit, shapes: list[tuple[int, int]]) -> list[Measurement]:
+def synthetic(fit: MemoryModel, shapes: list[tuple[int, int]]) -> list[Measurement]:
     return [
         Measurement(b, n, int(fit.predict(b, n)), int(fit.predict(b, n)), int(fit.step_peak), False, 0.0)
         for b, n in shapes
@@ -256,13 +256,14 @@ def synthetic(fit: MemoryFit, shapes: list[tuple[int, int]]) -> list[Measurement
 
 
 def test_fit_memory_recovers_known_coefficients_and_stays_non_negative() -> None:
-    truth = MemoryFit(constant=5e6, linear=3000.0, quadratic=40.0, per_sample=900.0, step_peak=1e6)
+    truth = MemoryModel(constant=5e6, linear=3000.0, quadratic=40.0, per_sample=900.0, step_peak=1e6)
     shapes = [(64, 32), (32, 64), (8, 256), (4, 256), (100, 16), (20, 100)]
     fitted = fit_memory(synthetic(truth, shapes))
+    assert isinstance(fitted, MemoryModel) and fitted.stores_scores is None  # fitted: not known
     for name in ("constant", "linear", "quadratic", "per_sample", "step_peak"):
         assert getattr(fitted, name) == pytest.approx(getattr(truth, name), rel=1e-3), name
     # Data with no quadratic growth at all: the term is clamped at zero, not fitted negative.
-    linear_only = MemoryFit(constant=1e6, linear=1000.0, quadratic=0.0, per_sample=0.0)
+    linear_only = MemoryModel(constant=1e6, linear=1000.0, quadratic=0.0, per_sample=0.0)
     data = synthetic(linear_only, shapes)
     data = [Measurement(m.batch_size, m.length, m.peak_bytes, int(m.peak_bytes * (1 - 1e-4 * m.length)), 0,
                         False, 0.0) for m in data]  # fmt: skip
@@ -273,7 +274,7 @@ def test_fit_memory_recovers_known_coefficients_and_stays_non_negative() -> None
 
 
 def test_memory_fit_budget_and_token_units() -> None:
-    fit = MemoryFit(constant=2e6, linear=2000.0, quadratic=20.0, per_sample=100.0, step_peak=3e6)
+    fit = MemoryModel(constant=2e6, linear=2000.0, quadratic=20.0, per_sample=100.0, step_peak=3e6)
     budget = fit.budget(20e6, margin=0.1)
     assert budget == pytest.approx(16e6)
     tokens = fit.token_cost()

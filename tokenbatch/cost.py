@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any, overload
 
 import numpy as np
 
-from tokenbatch import _checks
+from tokenbatch import _analytic, _checks
 
 if TYPE_CHECKING:
     import torch
@@ -96,10 +96,10 @@ class CostModel:
         and by CPU sdpa with attention dropout), ``per_sample`` bytes per
         sequence. Weights and optimizer state are not included: derive the
         budget as ``free_memory - weights_and_optimizer_state`` bytes, or use
-        :func:`tokenbatch.memory_model.estimate_memory`, which returns that
+        :meth:`tokenbatch.probe.MemoryModel.from_config`, which returns that
         constant too. The formula (Korthikanti et al. 2022, adjusted for
         fp32, for CPU dropout masks and for fused attention) and its sources
-        are in :mod:`tokenbatch.memory_model`; :mod:`tokenbatch.probe`
+        are in ``tokenbatch/_analytic.py``; :func:`tokenbatch.find_max_tokens`
         measures instead of estimating.
 
         Args:
@@ -120,19 +120,15 @@ class CostModel:
             >>> eager.quadratic > 0, flash.quadratic
             (True, 0.0)
         """
-        import torch
-
-        from tokenbatch.memory_model import estimate_memory
-
-        estimate = estimate_memory(
+        terms = _analytic.memory_terms(
             config,
-            dtype=torch.float32 if dtype is None else dtype,
+            dtype=dtype,
             training=training,
             attn_implementation=attn_implementation,
             device=device,
             task=task,
         )
-        return estimate.cost_model(pad_to_multiple_of=pad_to_multiple_of)
+        return cls(terms.linear, terms.quadratic, terms.per_sample, pad_to_multiple_of)
 
     def padded_length(self, max_len: np.ndarray | int) -> np.ndarray | int:
         """``max_len`` rounded up to ``pad_to_multiple_of``."""

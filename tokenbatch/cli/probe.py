@@ -14,7 +14,7 @@ import re
 import sys
 from typing import Any
 
-from tokenbatch.memory_model import TASKS
+from tokenbatch.probe import TASKS
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
 _TASK_CLASSES = {
@@ -79,7 +79,7 @@ def _load_model(args: argparse.Namespace) -> Any:
     import torch
     import transformers
 
-    from tokenbatch.memory_model import resolve_task
+    from tokenbatch.probe import resolve_task
 
     config = transformers.AutoConfig.from_pretrained(args.model)
     task = resolve_task(config, args.task)
@@ -175,7 +175,7 @@ def run(args: argparse.Namespace) -> int:
             print(
                 "\nnote: on CPU the limit is on PyTorch's tensor bytes; glibc's malloc can hold much more "
                 "address space unless training runs with MALLOC_MMAP_THRESHOLD_=65536 "
-                "(see tokenbatch._probe_step)"
+                "(see help(tokenbatch.probe))"
             )
         if cache_entry is not None:
             print(f"\nwrote max_tokens to {cache_entry['path']} under {cache_entry['key']!r}")

@@ -1,4 +1,11 @@
-"""Analytic training memory of a transformers encoder or decoder, from its config.
+"""Analytic training memory of a transformers encoder or decoder, from its config, as plain numbers.
+
+A leaf module, like :mod:`tokenbatch._checks`: it reads a config and returns
+plain numbers, so that :meth:`tokenbatch.CostModel.from_config` (the
+activation terms) and :meth:`tokenbatch.probe.MemoryModel.from_config` (the
+same terms plus weights and optimizer state) share one formula while
+``cost`` stays below ``probe`` and imports nothing above it. torch is
+imported when a config is read, not with the module, as ``cost`` never needed it.
 
 The estimate counts the bytes autograd keeps alive between forward and
 backward, per layer, following Korthikanti et al. (2022), "Reducing
@@ -19,7 +26,7 @@ and intermediate size ``I``, per token and layer:
 
 With ``e = 2``, ``m = 1`` and ``I = 4h`` that is Korthikanti's ``34*h``
 linear and ``5*a`` quadratic bytes. Two corrections from measuring HF BERT
-(``tokenbatch.probe``): on CPU, PyTorch's dropout keeps a mask of the
+(:func:`tokenbatch.probe.find_max_tokens`): on CPU, PyTorch's dropout keeps a mask of the
 activation's dtype (``m = e``, the fused 1-byte mask exists only on CUDA), so
 fp32 BERT on CPU keeps ``10*e*h + 2*e*I`` linear and ``3*e*a`` quadratic
 bytes per layer; and the backward pass briefly needs about ``4*e*h`` more per
@@ -39,14 +46,14 @@ the scores just like eager.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
-import torch
 
 from tokenbatch import _checks
-from tokenbatch.cost import CostModel
+
+if TYPE_CHECKING:
+    import torch
 
 FUSED_ATTENTION = ("sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
 ATTENTION_IMPLEMENTATIONS = ("eager", *FUSED_ATTENTION)
@@ -65,65 +72,6 @@ _GATED_MODEL_TYPES = (
     "phi3",
     "olmo",
 )
-
-
-@dataclass(frozen=True)
-class MemoryEstimate:
-    """Estimated peak training memory, in bytes: ``constant + B * (linear*L + quadratic*L**2 + per_sample)``.
-
-    Example:
-        >>> from transformers import BertConfig
-        >>> est = estimate_memory(BertConfig(), dtype=torch.float16, attn_implementation="eager")
-        >>> est.stores_scores, est.quadratic  # 12 layers x 5 bytes x 12 heads, + 2 for the mask
-        (True, 722.0)
-    """
-
-    linear: float
-    """Bytes per padded token."""
-    quadratic: float
-    """Bytes per pair of tokens in one sequence (attention scores, attention mask)."""
-    per_sample: float
-    """Bytes per sequence whatever its length (classification head)."""
-    constant: float
-    """Bytes for weights, gradients and optimizer state."""
-    stores_scores: bool
-    """Whether the attention implementation keeps the L x L scores for backward."""
-
-    def cost_model(self, *, pad_to_multiple_of: int = 1) -> CostModel:
-        """The activation terms as a :class:`CostModel` in bytes (the constant is left out)."""
-        return CostModel(
-            linear=self.linear,
-            quadratic=self.quadratic,
-            per_sample=self.per_sample,
-            pad_to_multiple_of=pad_to_multiple_of,
-        )
-
-    def peak(self, batch_size: int, length: int) -> float:
-        """Estimated peak bytes for one step on ``batch_size`` sequences padded to ``length``."""
-        return self.constant + float(self.cost_model().cost(batch_size, length))
-
-    def max_tokens(self, memory_limit: float, *, margin: float = 0.1) -> float:
-        """The budget, in bytes of :meth:`cost_model`, keeping the peak under ``(1 - margin) * memory_limit``.
-
-        Raises:
-            ValueError: the weights and optimizer state alone do not fit.
-        """
-        memory_limit = _checks.positive_number("memory_limit", memory_limit)
-        budget = memory_limit * (1.0 - _margin(margin)) - self.constant
-        if budget <= 0:
-            raise ValueError(
-                f"memory_limit={memory_limit:.4g} bytes with margin={margin} leaves no room for "
-                f"activations after {self.constant:.4g} bytes of weights and optimizer state; "
-                f"raise memory_limit or lower margin"
-            )
-        return budget
-
-
-def _margin(margin: float) -> float:
-    margin = _checks.non_negative_number("margin", margin)
-    if margin >= 1:
-        raise ValueError(f"margin should be a fraction below 1 (e.g. 0.1), but got margin={margin!r}")
-    return margin
 
 
 def _get(config: Any, *names: str, default: Any = None) -> Any:
@@ -168,23 +116,38 @@ def stores_attention_scores(
     return attn_implementation == "sdpa" and device == "cpu" and training and attention_dropout > 0
 
 
-def estimate_memory(
+class MemoryTerms(NamedTuple):
+    """Peak training memory in bytes: ``constant + B * (linear*L + quadratic*L**2 + per_sample)``."""
+
+    linear: float
+    """Bytes per padded token."""
+    quadratic: float
+    """Bytes per pair of tokens in one sequence (attention scores, attention mask)."""
+    per_sample: float
+    """Bytes per sequence whatever its length (classification head)."""
+    constant: float
+    """Bytes for weights, gradients and optimizer state."""
+    stores_scores: bool
+    """Whether the attention implementation keeps the L x L scores for backward."""
+
+
+def memory_terms(
     config: Any,
     *,
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | None = None,
     training: bool = True,
     attn_implementation: str | None = None,
     device: str = "cuda",
     task: str = "auto",
     optimizer: str = "adamw",
-) -> MemoryEstimate:
-    """Estimate the training (or inference) memory of a transformers model from its config.
+) -> MemoryTerms:
+    """The training (or inference) memory terms of a transformers model, from its config.
 
     Args:
         config: a ``transformers.PretrainedConfig`` of an encoder (BERT family)
             or decoder (GPT-2, Llama family) model.
-        dtype: the dtype activations are computed in (``torch.float32``,
-            ``torch.float16``, ``torch.bfloat16``); weights are assumed in it too.
+        dtype: the dtype activations are computed in (``torch.float32``, the
+            default, ``torch.float16``, ``torch.bfloat16``); weights are assumed in it too.
         training: ``False`` estimates a no-grad forward pass (one layer's
             working set) instead of forward + backward.
         attn_implementation: ``"eager"``, ``"sdpa"``, ``"flash_attention_2"``,
@@ -200,10 +163,12 @@ def estimate_memory(
     Raises:
         ValueError: an encoder-decoder config, or an unknown option.
     """
+    import torch
+
     if getattr(config, "is_encoder_decoder", False):
         raise ValueError(
-            f"estimate_memory handles encoder-only and decoder-only models, but config "
-            f"{type(config).__name__} is an encoder-decoder; measure it with tokenbatch.probe instead"
+            f"the analytic estimate handles encoder-only and decoder-only models, but config "
+            f"{type(config).__name__} is an encoder-decoder; measure it with find_max_tokens instead"
         )
     device = _checks.one_of("device", str(torch.device(device).type), ("cuda", "cpu"))
     optimizer = _checks.one_of("optimizer", optimizer, tuple(OPTIMIZER_STATE_BYTES))
@@ -219,7 +184,7 @@ def estimate_memory(
     p_att = _dropout(config, "attention_probs_dropout_prob", "attn_pdrop", "attention_dropout")
     p_hid = _dropout(config, "hidden_dropout_prob", "resid_pdrop", "hidden_dropout")
     gated = getattr(config, "model_type", "") in _GATED_MODEL_TYPES
-    e = torch.empty((), dtype=dtype).element_size()
+    e = torch.empty((), dtype=torch.float32 if dtype is None else dtype).element_size()
     m = 1 if device == "cuda" else e  # fused bool dropout mask on CUDA; a dtype-sized mask on CPU
     scores = stores_attention_scores(
         attn_implementation, device=device, training=training, attention_dropout=p_att
@@ -261,7 +226,7 @@ def estimate_memory(
 
     params = _parameter_count(h, n_layers, inter, kv_width, vocab, config, gated)
     per_param = e + (e + OPTIMIZER_STATE_BYTES[optimizer] if training else 0)
-    return MemoryEstimate(
+    return MemoryTerms(
         linear=float(linear),
         quadratic=quadratic,
         per_sample=per_sample,

@@ -5,12 +5,12 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import overload
 
 import numpy as np
 
 from tokenbatch import _checks
 from tokenbatch.cost import CostModel
+from tokenbatch.probe._model import MemoryModel
 
 
 @dataclass(frozen=True)
@@ -32,74 +32,6 @@ class Measurement:
         return self.batch_size * self.length
 
 
-@dataclass(frozen=True)
-class MemoryFit:
-    """Peak training memory in bytes, fitted to measurements.
-
-    ``predict(B, L) = max(step_peak, constant + B * (linear*L' + quadratic*L'**2 + per_sample))``
-    with ``L'`` the length padded to ``pad_to_multiple_of``: forward + backward
-    grows with the batch, the optimizer step's peak (gradients, optimizer
-    state) does not.
-
-    Example:
-        >>> fit = MemoryFit(constant=1e6, linear=2000.0, quadratic=50.0, per_sample=0.0)
-        >>> fit.predict(4, 100)
-        3800000.0
-        >>> fit.budget(10e6, margin=0.1), fit.token_cost().quadratic
-        (8000000.0, 0.025)
-    """
-
-    constant: float
-    linear: float
-    quadratic: float
-    per_sample: float
-    step_peak: float = 0.0
-    pad_to_multiple_of: int = 1
-
-    def cost_model(self) -> CostModel:
-        """The batch-dependent terms as a :class:`CostModel` in bytes."""
-        return CostModel(self.linear, self.quadratic, self.per_sample, self.pad_to_multiple_of)
-
-    def token_cost(self) -> CostModel:
-        """The same shape in token units (``linear = 1``): a budget of ``bytes / linear`` tokens."""
-        if self.linear <= 0:
-            return self.cost_model()
-        return CostModel(
-            1.0, self.quadratic / self.linear, self.per_sample / self.linear, self.pad_to_multiple_of
-        )
-
-    @overload
-    def predict(self, batch_size: int, length: int) -> float: ...
-    @overload
-    def predict(self, batch_size: np.ndarray, length: np.ndarray | int) -> np.ndarray: ...
-
-    def predict(self, batch_size: np.ndarray | int, length: np.ndarray | int) -> np.ndarray | float:
-        """Predicted peak bytes of one step; numpy arrays broadcast."""
-        peak = np.maximum(self.step_peak, self.constant + self.cost_model().cost(batch_size, length))
-        return float(peak) if np.ndim(peak) == 0 else peak
-
-    def budget(self, memory_limit: float, *, margin: float = 0.1) -> float:
-        """Largest cost in bytes (of :meth:`cost_model`) with a peak under ``(1 - margin) * memory_limit``.
-
-        Raises:
-            ValueError: weights, gradients and optimizer state alone exceed it.
-        """
-        memory_limit = _checks.positive_number("memory_limit", memory_limit)
-        margin = _checks.non_negative_number("margin", margin)
-        if margin >= 1:
-            raise ValueError(f"margin should be a fraction below 1 (e.g. 0.1), but got margin={margin!r}")
-        target = memory_limit * (1 - margin)
-        budget = target - self.constant
-        if budget <= 0 or self.step_peak > target:
-            fixed = max(self.constant, self.step_peak)
-            raise ValueError(
-                f"memory_limit={memory_limit:,.0f} bytes with margin={margin} leaves "
-                f"{target:,.0f} bytes, but weights, gradients and optimizer state alone take "
-                f"{fixed:,.0f}; raise memory_limit, lower margin or use a smaller model"
-            )
-        return budget
-
-
 def _nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """Non-negative least squares for a handful of columns: the best feasible least-squares
     solution over every subset of columns (the optimum is one of them, the problem being convex)."""
@@ -118,8 +50,8 @@ def _nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return best
 
 
-def fit_memory(measurements: Sequence[Measurement], *, pad_to_multiple_of: int = 1) -> MemoryFit:
-    """Fit a :class:`MemoryFit` to measurements by non-negative, relative least squares.
+def fit_memory(measurements: Sequence[Measurement], *, pad_to_multiple_of: int = 1) -> MemoryModel:
+    """Fit a :class:`MemoryModel` to measurements by non-negative, relative least squares.
 
     Forward + backward peaks are fitted to ``constant + B*(linear*L + quadratic*L**2 +
     per_sample)``, each point weighted by ``1 / measured`` so that the fit minimises
@@ -149,7 +81,7 @@ def fit_memory(measurements: Sequence[Measurement], *, pad_to_multiple_of: int =
     scale = np.abs(design).max(axis=0)
     weight = 1.0 / y
     coef = _nnls(design / scale * weight[:, None], y * weight) / scale
-    return MemoryFit(
+    return MemoryModel(
         constant=float(coef[0]),
         linear=float(coef[1]),
         quadratic=float(coef[2]),

@@ -1,6 +1,6 @@
 """The probe's strategies: measure steps, fit a grid and check the budget, or double then bisect.
 
-:mod:`tokenbatch.probe` holds the public API; this module holds how it
+:func:`tokenbatch.probe.find_max_tokens` is the public API; this module holds how it
 chooses shapes. Budgets are in bytes (fit) or in the caller's cost units (search).
 """
 
@@ -14,9 +14,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from tokenbatch._fit import Measurement, MemoryFit, fit_memory
-from tokenbatch._probe_step import StepRunner, held_bytes, model_device
 from tokenbatch.cost import CostModel
+from tokenbatch.probe._fit import Measurement, fit_memory
+from tokenbatch.probe._measure import ProbeStep, held_bytes, model_device
+from tokenbatch.probe._model import MemoryModel
 
 logger = logging.getLogger(__name__)
 
@@ -24,7 +25,7 @@ logger = logging.getLogger(__name__)
 class Prober:
     """Measures steps, records them and drives the progress bar."""
 
-    def __init__(self, runner: StepRunner, target: float, progress: bool) -> None:
+    def __init__(self, runner: ProbeStep, target: float, progress: bool) -> None:
         self.runner, self.target = runner, target
         self.bar: Any = None
         self.steps = 0
@@ -74,7 +75,7 @@ def lengths_between(min_len: int, max_len: int, count: int) -> list[int]:
 
 def fit_budget(
     prober: Prober, *, min_len: int, max_len: int, pad: int, memory_limit: float, margin: float
-) -> tuple[MemoryFit, float, list[Measurement], list[Measurement]]:
+) -> tuple[MemoryModel, float, list[Measurement], list[Measurement]]:
     """Measure a grid near the limit, fit, check the budget on held-out worst cases; budget in bytes."""
     target, runner = prober.target, prober.runner
     idle = (
@@ -207,7 +208,7 @@ def search_cost(model: torch.nn.Module, pad: int) -> CostModel:
     device = model_device(model)
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     try:
-        estimate = CostModel.from_config(config, dtype=dtype, device=device.type, pad_to_multiple_of=pad)
+        estimate = MemoryModel.from_config(config, dtype=dtype, device=device.type, pad_to_multiple_of=pad)
+        return estimate.token_cost()
     except (AttributeError, TypeError, ValueError):
         return CostModel(pad_to_multiple_of=pad)
-    return CostModel(1.0, estimate.quadratic / estimate.linear, estimate.per_sample / estimate.linear, pad)

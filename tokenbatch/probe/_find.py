@@ -1,28 +1,4 @@
-"""Find the token budget that fits your model on your device, by measuring before training.
-
-Two ways, both running real forward + backward + optimizer steps on synthetic
-worst-case batches (every sequence as long as the batch's longest):
-
-* ``method="fit"`` (default): measure peak memory over a grid of (batch size,
-  length) shapes sized near the limit, fit ``constant + B*(linear*L +
-  quadratic*L**2 + per_sample)`` by least squares, and take the budget that
-  keeps the predicted peak under ``(1 - margin) * memory_limit``; then run
-  the worst batches that budget allows (longest and shortest sequences) and
-  shrink it if any measures above. Gives a cost model as well as a budget.
-* ``method="search"``: for a cost model you choose, double the budget until
-  a worst-case batch no longer fits, then bisect. No model of memory, more steps.
-
-How memory is measured (CUDA allocator statistics, the torch profiler's
-memory accounting on CPU) is explained in :mod:`tokenbatch._probe_step`. The
-model, the optimizer and every random number generator are restored
-afterwards, whatever happens. Probe the bare model in one process (not a
-DDP-wrapped one); the budget is per device.
-
-Typical use, before building the sampler::
-
-    result = find_max_tokens(model, lengths=lengths, memory_limit=8 * 2**30)
-    sampler = TokenBudgetBatchSampler(lengths, result.max_tokens, cost=result.cost)
-"""
+"""The probe's public functions: :func:`find_max_tokens`, :func:`measure_peak` and what they return."""
 
 from __future__ import annotations
 
@@ -37,12 +13,12 @@ import numpy as np
 import torch
 
 from tokenbatch import _checks
-from tokenbatch._fit import Measurement, MemoryFit, fit_memory
-from tokenbatch._probe_search import Prober, fit_budget, search_budget, search_cost
-from tokenbatch._probe_step import LossFn, MakeBatch, StepRunner, held_bytes, model_device, preserved
 from tokenbatch.cost import CostModel
-
-__all__ = ["Measurement", "MemoryFit", "ProbeResult", "find_max_tokens", "fit_memory", "measure_peak"]
+from tokenbatch.probe._fit import Measurement
+from tokenbatch.probe._measure import ProbeStep, held_bytes, model_device, preserved
+from tokenbatch.probe._model import MemoryModel, check_margin
+from tokenbatch.probe._search import Prober, fit_budget, search_budget, search_cost
+from tokenbatch.probe._synthetic import LossFn, MakeBatch
 
 
 @dataclass(frozen=True)
@@ -63,7 +39,7 @@ class ProbeResult:
     margin: float
     method: str
     max_len: int
-    fit: MemoryFit | None = None
+    fit: MemoryModel | None = None
     """The fitted memory model in bytes (``method="fit"`` only)."""
     measurements: tuple[Measurement, ...] = ()
     """Steps the fit used, or every step the search tried."""
@@ -189,9 +165,7 @@ def find_max_tokens(
         ValueError: one sequence of ``max_len`` or the weights alone do not fit.
     """
     method = _checks.one_of("method", method, ("fit", "search"))
-    margin = _checks.non_negative_number("margin", margin)
-    if margin >= 1:
-        raise ValueError(f"margin should be a fraction below 1 (e.g. 0.1), but got margin={margin!r}")
+    margin = check_margin(margin)
     tolerance = _checks.positive_number("tolerance", tolerance)
     min_len, max_len = _resolve_lengths(max_len, lengths, min_len)
     pad = cost.pad_to_multiple_of if cost is not None else 1
@@ -200,7 +174,7 @@ def find_max_tokens(
         optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
     start = time.perf_counter()
     with preserved(model, None if own_optimizer else optimizer):
-        runner = StepRunner(model, optimizer, make_batch=make_batch, loss_fn=loss_fn)
+        runner = ProbeStep(model, optimizer, make_batch=make_batch, loss_fn=loss_fn)
         # Warm-up, not measured: optimizer state, kernels and workspaces exist from here on.
         runner.run(1, min_len, measure=False)
         limit = float(memory_limit) if memory_limit is not None else default_memory_limit(model, optimizer)
@@ -212,7 +186,7 @@ def find_max_tokens(
                     prober, min_len=min_len, max_len=max_len, pad=pad, memory_limit=limit, margin=margin
                 )
                 result_cost = fitted.token_cost()
-                max_tokens = budget / fitted.linear if fitted.linear > 0 else budget
+                max_tokens = budget / fitted.bytes_per_token()
             else:
                 result_cost = cost if cost is not None else search_cost(model, pad)
                 fitted, checks = None, []
@@ -258,7 +232,7 @@ def measure_peak(
     if optimizer is None:
         optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
     with preserved(model, None if own_optimizer else optimizer):
-        runner = StepRunner(model, optimizer, make_batch=make_batch, loss_fn=loss_fn)
+        runner = ProbeStep(model, optimizer, make_batch=make_batch, loss_fn=loss_fn)
         if warmup:
             runner.run(1, min(length, 8), measure=False)
         return Prober(runner, math.inf, progress=False).measure(batch_size, length)

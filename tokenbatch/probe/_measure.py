@@ -1,33 +1,8 @@
-"""One measured training step for the probe: synthetic batch, peak memory, state kept intact.
+"""One measured training step for the probe: the peaks of its two phases, state kept intact.
 
-How peak memory is measured:
-
-* CUDA: ``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats``,
-  the allocator's own high-water mark of tensor bytes.
-* CPU: the torch profiler's memory accounting (``profile_memory=True``),
-  which reports every allocation and free of PyTorch's CPU allocator with its
-  exact size; the running sum's maximum is the CPU twin of CUDA's statistic,
-  added to the bytes already held (weights, buffers, optimizer state). We do
-  not use the process's peak RSS: glibc keeps freed heap pages resident, so
-  in one process a later, smaller step shows no growth at all, and a fresh
-  subprocess per shape costs seconds of interpreter and torch start-up and
-  still counts the allocator's retained pages. Memory outside PyTorch's
-  allocator (the interpreter, libraries, glibc's own fragmentation) is not
-  counted; the probe's safety margin is there for it.
-
-On CPU, what the operating system sees can be well above the tensor bytes:
-glibc's malloc serves blocks below its sliding mmap threshold (up to 32 MiB)
-from a heap that it rarely gives back, so freed activations leave holes. In
-``benchmarks/probe.py`` a tiny BERT under ``RLIMIT_AS`` fitted only about 0.63
-of the probe's budget with glibc's defaults, and 1.07 of it (the margin at
-work) with ``MALLOC_MMAP_THRESHOLD_=65536``, which gives every tensor of 64
-KiB or more its own mapping, returned when freed. Train on CPU with that
-setting (or jemalloc / tcmalloc), or raise ``margin``.
-
-Each step is measured in two phases, forward + backward and then optimizer
-step + ``zero_grad``, because their peaks behave differently: the first grows
-with the batch, the second is a constant (gradients plus optimizer state)
-that dominates only for tiny batches.
+How the peaks are measured, and why so (CUDA allocator statistics, the torch
+profiler's memory accounting on CPU, two phases per step), is told in the
+docstring of :mod:`tokenbatch.probe`, where users read it.
 """
 
 from __future__ import annotations
@@ -45,9 +20,7 @@ import numpy as np
 import torch
 
 from tokenbatch.oom import is_oom
-
-MakeBatch = Callable[[int, int, torch.Generator], Any]
-LossFn = Callable[[Any, Any], torch.Tensor]
+from tokenbatch.probe._synthetic import LossFn, MakeBatch, default_loss, synthetic_batch
 
 
 @dataclass(frozen=True)
@@ -129,69 +102,6 @@ def held_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) 
     return sum(seen.values())
 
 
-def synthetic_batch(
-    model: torch.nn.Module, batch_size: int, length: int, generator: torch.Generator
-) -> dict[str, torch.Tensor]:
-    """A worst-case batch for a transformers model: ``batch_size`` sequences all ``length`` tokens long.
-
-    The last sequence ends one pad token early, so the attention mask is a
-    real padding mask (transformers drops an all-ones mask, which would let
-    sdpa pick a kernel that padded batches never get). Labels follow the
-    head named by the class: sequence or token classification, masked or
-    causal LM; other models get none and the probe's loss is the mean output.
-
-    Raises:
-        ValueError: the model has no ``config.vocab_size`` (pass ``make_batch``),
-            or ``length`` exceeds ``config.max_position_embeddings``.
-    """
-    config = getattr(model, "config", None)
-    vocab = getattr(config, "vocab_size", None)
-    if not vocab:
-        raise ValueError(
-            f"{type(model).__name__} has no config.vocab_size to draw synthetic token ids from; "
-            f"pass make_batch=lambda batch_size, length, generator: {{...}} that builds a batch"
-        )
-    limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
-    if limit is not None and length > limit:
-        raise ValueError(
-            f"length={length} exceeds the model's max_position_embeddings={limit}; "
-            f"probe with max_len <= {limit} (truncate your data to it)"
-        )
-    ids = torch.randint(0, int(vocab), (batch_size, length), generator=generator)
-    mask = torch.ones(batch_size, length, dtype=torch.long)
-    if length > 1:
-        mask[-1, -1] = 0
-    batch = {"input_ids": ids, "attention_mask": mask}
-    name = type(model).__name__
-    num_labels = int(getattr(config, "num_labels", 2))
-    if name.endswith("ForSequenceClassification"):
-        batch["labels"] = (
-            torch.zeros(batch_size) if num_labels == 1 else torch.zeros(batch_size, dtype=torch.long)
-        )
-    elif name.endswith("ForTokenClassification"):
-        batch["labels"] = torch.zeros(batch_size, length, dtype=torch.long)
-    elif name.endswith(("ForMaskedLM", "ForCausalLM", "LMHeadModel")):
-        batch["labels"] = ids.clone()
-    return batch
-
-
-def default_loss(output: Any, batch: Any) -> torch.Tensor:
-    """``output.loss`` when the model computed one, else the mean of its first floating output."""
-    loss = getattr(output, "loss", None)
-    if isinstance(loss, torch.Tensor):
-        return loss
-    values = output.values() if isinstance(output, Mapping) else output
-    if isinstance(values, torch.Tensor):
-        return values.float().mean()
-    for value in values:
-        if isinstance(value, torch.Tensor) and value.is_floating_point():
-            return value.float().mean()
-    raise ValueError(
-        f"cannot make a loss from the model's output of type {type(output).__name__}; "
-        f"pass loss_fn=lambda output, batch: ... returning a scalar tensor"
-    )
-
-
 @contextlib.contextmanager
 def _quiet_stderr() -> Iterator[None]:
     """Silence file descriptor 2: kineto logs two lines on every profiler start and stop."""
@@ -257,7 +167,7 @@ def _cpu_phase_peaks(first: Callable[[], None], second: Callable[[], None]) -> t
     return peak_first, net_first, peak_second
 
 
-class StepRunner:
+class ProbeStep:
     """Runs and measures one forward + backward + optimizer step at a given shape.
 
     The caller keeps the model's state intact with :func:`preserved`.
