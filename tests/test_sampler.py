@@ -140,6 +140,46 @@ def test_state_dict_default_position_counts_handed_out_steps() -> None:
     assert sampler.state_dict()["steps_done"] == 2
 
 
+def test_position_is_the_one_cursor_of_the_epoch() -> None:
+    sampler = TokenBudgetBatchSampler(long_tailed(400), 512, num_replicas=2, seed=1)
+    position = sampler.position
+    iterator = iter(sampler)
+    for _ in range(4):  # two whole steps; the second step's last batch is still out
+        next(iterator)
+    assert (position.start, position.handed_out, position.trained) == (0, 1, 0)
+    generation = position.generation
+    sampler.replan(256, steps_done=1)
+    assert (position.start, position.handed_out, position.trained) == (1, 1, 1)
+    assert position.generation == generation + 1
+    assert list(iterator) == []  # the old pass stops, and leaves the new plan's position alone
+    assert position.handed_out == 1 and sampler.state_dict()["steps_done"] == 1
+    sampler.set_epoch(1)
+    assert (position.epoch, position.start, position.handed_out, position.trained) == (1, 0, 0, 0)
+
+
+def test_steps_in_epoch_is_the_plan_a_fresh_sampler_makes() -> None:
+    lengths = long_tailed(400)
+    sampler = TokenBudgetBatchSampler(lengths, 512, seed=4, num_replicas=2)
+    sampler.replan(300, steps_done=3)  # re-plans of the current epoch do not count
+    for epoch in range(3):
+        fresh = TokenBudgetBatchSampler(lengths, 256, seed=4, num_replicas=2)
+        fresh.set_epoch(epoch)
+        assert sampler.steps_in_epoch(epoch, 256) == fresh.plan.num_steps
+    assert (
+        sampler.steps_in_epoch(0)
+        == TokenBudgetBatchSampler(lengths, 300, seed=4, num_replicas=2).plan.num_steps
+    )
+
+
+def test_samples_over_the_budget_are_reported_by_the_sampler(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level("WARNING", logger="tokenbatch.sampler"):
+        TokenBudgetBatchSampler([10, 500, 10, 600], 100, oversize="alone")
+        list(TokenBudgetBatchSampler([10, 500, 10], 100, oversize="skip"))
+    messages = [r.getMessage() for r in caplog.records]
+    assert messages[0].startswith("2 sample(s) alone exceed max_tokens=100 and get a batch of their own")
+    assert "left out 1 sample(s)" in messages[1] and len(messages) == 2
+
+
 def test_batch_size_multiple_and_max_batch_size() -> None:
     lengths = np.full(1000, 16)
     sampler = TokenBudgetBatchSampler(lengths, 16 * 100, batch_size_multiple=8, max_batch_size=60)

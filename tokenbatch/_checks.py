@@ -49,6 +49,14 @@ def non_negative_int(name: str, value: Any) -> int:
     return int(value)
 
 
+def shrink_factor(name: str, value: Any) -> float:
+    """Return ``value`` as a float, or raise if it is not a budget multiplier in (0, 1)."""
+    factor = positive_number(name, value)
+    if factor >= 1:
+        raise ValueError(f"{name} should be below 1 (the budget must shrink), but got {name}={value!r}")
+    return factor
+
+
 def one_of(name: str, value: Any, choices: tuple[str, ...]) -> str:
     """Return ``value`` if it is one of ``choices``, else raise naming them."""
     if value not in choices:

@@ -1,31 +1,113 @@
-"""Where the OOM fallback is in the epoch, and a DataLoader iteration that survives re-plans."""
+"""One epoch's batches from a DataLoader the sampler feeds, numbered by step and restartable after a re-plan.
+
+Where the epoch is lives in one place, the sampler's
+:class:`~tokenbatch._state.EpochPosition`. This module only walks a
+DataLoader over it: :class:`EpochBatches` is the one re-plan-aware iterator
+(used by the OOM guard through :class:`EpochCursor` and by the Trainer's
+feed), and it is the one place that aligns accelerate's epoch count and
+shuts an abandoned DataLoader iterator down.
+"""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable, Iterator
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 from tokenbatch.sampler import TokenBudgetBatchSampler
 
 T = TypeVar("T")
 
 
-class EpochCursor:
-    """Counts the steps trained in the epoch and restarts the DataLoader after a re-plan.
+class EpochBatches(Generic[T]):
+    """``(step, batch)`` for the rest of the sampler's epoch; :meth:`restart` after a re-plan.
 
-    The sampler's own position runs ahead of training (accelerate's
-    DataLoader reads a batch ahead, worker processes read several), so the
-    steps trained are counted here: a step is done once its backward pass
-    succeeded, or once the loop asked for the next batch without one.
+    The DataLoader is iterated lazily, from the sampler's ``start_step``.
+    After a re-plan, :meth:`restart` closes the DataLoader iterator (and the
+    batches it read ahead from the old plan); the next batch is then the new
+    plan's first step not yet trained.
+    """
+
+    def __init__(self, dataloader: Iterable[T], sampler: TokenBudgetBatchSampler) -> None:
+        self.dataloader = dataloader
+        self.sampler = sampler
+        self.next_step = sampler.start_step
+        """The step of the next batch this iterator gives."""
+        self._iterator: Iterator[T] | None = None
+        self._exhausted = False
+
+    def __iter__(self) -> EpochBatches[T]:
+        return self
+
+    def __next__(self) -> tuple[int, T]:
+        if self._exhausted:
+            raise StopIteration
+        if self._iterator is None:
+            set_epoch = getattr(self.dataloader, "set_epoch", None)
+            if callable(set_epoch):
+                # accelerate's DataLoaderShard passes its own count of full passes to the sampler's
+                # set_epoch when iterated on one process, and an abandoned pass is not counted: align
+                # it with the sampler, or a resumed or restarted epoch would be sent back to another.
+                set_epoch(self.sampler.epoch)
+            self._iterator = iter(self.dataloader)
+        try:
+            batch = next(self._iterator)
+        except StopIteration:
+            self._iterator = None
+            self._exhausted = True
+            raise
+        step = self.next_step
+        self.next_step += 1
+        return step, batch
+
+    def restart(self) -> None:
+        """After a re-plan: continue at the step the sampler's next iteration starts at."""
+        self.close()
+        self.next_step = self.sampler.start_step
+        self._exhausted = False
+
+    def close(self) -> None:
+        """Stop an unfinished DataLoader iterator (and unregister it from accelerate's gradient state)."""
+        iterator, self._iterator = self._iterator, None
+        if iterator is None:
+            return
+        close = getattr(iterator, "close", None)
+        if callable(close):
+            close()  # a generator (accelerate's DataLoaderShard) stops reading ahead
+        del iterator  # a DataLoader iterator shuts its workers down when dropped
+        end = getattr(self.dataloader, "end", None)
+        if callable(end) and hasattr(self.dataloader, "gradient_state"):
+            # accelerate registers a DataLoader with its GradientState until the end of an
+            # iteration, and an abandoned one never gets there: end it here.
+            with contextlib.suppress(ValueError):  # older accelerate: it had already ended
+                end()
+
+
+class EpochCursor:
+    """The OOM guard's view of the epoch: the step being trained; the DataLoader restarted after a re-plan.
+
+    The steps trained are the sampler's ``position.trained`` (the sampler's
+    own count of steps handed out runs ahead of training: accelerate's
+    DataLoader reads a batch ahead, worker processes read several). A step
+    is trained once its backward pass succeeded, or once the loop asked
+    ``iterate`` for the next batch without one.
     """
 
     def __init__(self, sampler: TokenBudgetBatchSampler) -> None:
         self.sampler = sampler
-        self.epoch = sampler.epoch
-        self.steps_done = self.first_step()
         self.restart_pending = False
-        self._step = self.steps_done
+        """After a re-plan: the running ``iterate`` must start the DataLoader afresh."""
+        self._step = 0
         self._iterating = False
+
+    @property
+    def steps_done(self) -> int:
+        """Steps trained in this epoch (the sampler's ``position.trained``)."""
+        return self.sampler.position.trained
+
+    @steps_done.setter
+    def steps_done(self, steps: int) -> None:
+        self.sampler.position.trained = steps
 
     def first_step(self) -> int:
         """The step the sampler's next iteration starts at (0, or where a resume or re-plan left it)."""
@@ -33,52 +115,26 @@ class EpochCursor:
 
     def current_step(self) -> int:
         """The step being trained: the batch ``iterate`` last yielded, else the next one."""
-        if self._iterating:
-            return self._step
-        if self.sampler.epoch != self.epoch:  # a new epoch, batches drawn without iterate()
-            self.epoch = self.sampler.epoch
-            self.steps_done = self.first_step()
-        return self.steps_done
+        return self._step if self._iterating else self.steps_done
 
     def iterate(self, dataloader: Iterable[T]) -> Iterator[T]:
         """The batches of ``dataloader`` for this epoch; after a re-plan, a fresh iterator resumes."""
         self._check_feeds(dataloader)
-        self.epoch = self.sampler.epoch
-        set_epoch = getattr(dataloader, "set_epoch", None)
-        if callable(set_epoch):
-            # accelerate's DataLoaderShard passes its own pass count to the sampler's set_epoch
-            # when iterated on one process: align it with the sampler, or a run resumed into a
-            # later epoch would be sent back to epoch 0.
-            set_epoch(self.epoch)
-        self.steps_done = step = self.first_step()
+        batches = EpochBatches(dataloader, self.sampler)
+        self.steps_done = batches.next_step
+        self.restart_pending = False
         self._iterating = True
         try:
-            while True:
-                self.restart_pending = False
-                iterator = iter(dataloader)
-                try:
-                    for batch in iterator:
-                        self._step = step
-                        yield batch
-                        if self.restart_pending:
-                            break
-                        step += 1
-                        self.steps_done = max(self.steps_done, step)
-                finally:
-                    close = getattr(iterator, "close", None)
-                    if callable(close):
-                        close()  # a generator (accelerate's DataLoaderShard) stops reading ahead
-                    del iterator  # a DataLoader iterator shuts its workers down when dropped
-                    end = getattr(dataloader, "end", None)
-                    if self.restart_pending and callable(end) and hasattr(dataloader, "gradient_state"):
-                        # accelerate registers a DataLoader with its GradientState until the end of
-                        # an iteration, and an abandoned one never gets there: end it here.
-                        end()
-                if not self.restart_pending:
-                    return
-                step = self.steps_done
+            for self._step, batch in batches:
+                yield batch
+                if self.restart_pending:
+                    self.restart_pending = False
+                    batches.restart()
+                else:  # the loop asked for the next batch: this one is done
+                    self.steps_done = max(self.steps_done, self._step + 1)
         finally:
             self._iterating = False
+            batches.close()
 
     def _check_feeds(self, dataloader: object) -> None:
         """Refuse a DataLoader that the sampler does not feed (re-plans would not reach it)."""

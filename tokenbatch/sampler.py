@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -12,29 +11,16 @@ import numpy as np
 from torch.utils.data import Sampler
 
 from tokenbatch import _checks, distributed
+from tokenbatch._state import STATE_VERSION, EpochPosition, check_state, lengths_digest
 from tokenbatch.cost import CostModel
 from tokenbatch.plan import (
     OVERSIZE_POLICIES,
-    OversizeSampleError,
     Plan,
     oversize_error,
     plan_batches,
 )
 
 logger = logging.getLogger(__name__)
-
-STATE_VERSION = 1
-_STATE_KEYS = {
-    "version",
-    "num_samples",
-    "lengths_digest",
-    "settings",
-    "epoch",
-    "max_tokens",
-    "epoch_max_tokens",
-    "replans",
-    "steps_done",
-}
 
 
 @dataclass(frozen=True)
@@ -158,15 +144,20 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
         self._keys = np.asarray(self.cost.padded_length(self.lengths), dtype=np.int64)
         self._unit = _per_sample_costs(self.cost, self._keys)
         self._max_tokens = _checks.positive_number("max_tokens", max_tokens)
-        if self.oversize == "error" and self._unit.max() > self._max_tokens:
-            too_big = np.flatnonzero(self._unit > self._max_tokens)
+        too_big = np.flatnonzero(self._unit > self._max_tokens)
+        if len(too_big) and self.oversize == "error":
             raise oversize_error(too_big, self._keys, self._unit, self._max_tokens)
-        self._epoch = 0
+        if len(too_big) and self.oversize == "alone":
+            logger.warning(
+                "%d sample(s) alone exceed max_tokens=%g and get a batch of their own (oversize='alone'), "
+                "for example sample %d",
+                len(too_big),
+                self._max_tokens,
+                too_big[0],
+            )
+        self._position = EpochPosition()
         self._epoch_max_tokens = self._max_tokens
         self._replans: list[tuple[int, float]] = []
-        self._next_start = 0  # step the next __iter__ starts at
-        self._position = 0  # steps handed out so far in this epoch
-        self._generation = 0  # bumped when the plan changes under a running iterator
         self._cache: tuple[tuple[Any, ...], Plan] | None = None
         self._digest: str | None = None
 
@@ -186,35 +177,57 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
 
     @property
     def epoch(self) -> int:
-        return self._epoch
+        return self._position.epoch
+
+    @property
+    def position(self) -> EpochPosition:
+        """Where this epoch is: the one cursor the OOM guard and the integrations read.
+
+        The sampler moves it as it plans and yields; a training loop sets
+        ``position.trained`` after each step it trained (``OOMFallback`` does).
+        """
+        return self._position
 
     @property
     def start_step(self) -> int:
         """The step of this epoch the next iteration starts at: 0, or where a resume or re-plan left it."""
-        return self._next_start
+        return self._position.start
 
     @property
     def plan(self) -> Plan:
         """This epoch's global plan, with every re-plan so far applied."""
-        key = (self._epoch, self.num_replicas, self._epoch_max_tokens, tuple(self._replans))
+        key = (self.epoch, self.num_replicas, self._epoch_max_tokens, tuple(self._replans))
         if self._cache is None or self._cache[0] != key:
-            self._cache = (key, self._make_plan(self._epoch_max_tokens, self._replans))
+            self._cache = (key, self._make_plan(self.epoch, self._epoch_max_tokens, self._replans))
         return self._cache[1]
 
-    def _make_plan(self, epoch_max_tokens: float, replans: list[tuple[int, float]]) -> Plan:
+    def steps_in_epoch(self, epoch: int, max_tokens: float | None = None) -> int:
+        """Global steps of epoch ``epoch``'s plan under ``max_tokens`` (default: the budget in force).
+
+        No re-plan is applied: plans are pure functions of (seed, epoch,
+        budget), so the length of a run is known before it starts.
+        """
+        epoch = _checks.non_negative_int("epoch", epoch)
+        budget = self._max_tokens if max_tokens is None else _checks.positive_number("max_tokens", max_tokens)
+        return self._make_plan(epoch, budget, []).num_steps
+
+    def _make_plan(self, epoch: int, epoch_max_tokens: float, replans: list[tuple[int, float]]) -> Plan:
         world = self.num_replicas
         if self.rank is not None and self.rank >= world:
             raise ValueError(
                 f"rank should be below num_replicas={world}, but got rank={self.rank}; ranks count from 0"
             )
-        plan = self._plan_samples(np.arange(len(self.lengths)), epoch_max_tokens, world, 0)
+        plan = self._plan_samples(np.arange(len(self.lengths)), epoch_max_tokens, world, epoch, 0)
         for number, (steps_done, max_tokens) in enumerate(replans, start=1):
             rest = plan.remaining_after(steps_done)
-            plan = plan.first_steps(steps_done).then(self._plan_samples(rest, max_tokens, world, number))
+            part = self._plan_samples(rest, max_tokens, world, epoch, number)
+            plan = plan.first_steps(steps_done).then(part)
         return plan
 
-    def _plan_samples(self, indices: np.ndarray, max_tokens: float, world: int, replan: int) -> Plan:
-        rng = np.random.default_rng([self.seed, self._epoch, replan]) if self.shuffle else None
+    def _plan_samples(
+        self, indices: np.ndarray, max_tokens: float, world: int, epoch: int, replan: int
+    ) -> Plan:
+        rng = np.random.default_rng([self.seed, epoch, replan]) if self.shuffle else None
         plan = plan_batches(
             indices,
             self._keys,
@@ -231,7 +244,7 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
             logger.warning(
                 "epoch %d: left out %d sample(s) that alone exceed max_tokens=%g (oversize='skip'), "
                 "for example sample %d",
-                self._epoch,
+                epoch,
                 len(plan.skipped),
                 max_tokens,
                 plan.skipped[0],
@@ -240,7 +253,7 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
             logger.warning(
                 "epoch %d: dropped %d sample(s) so that %d ranks get the same number of batches "
                 "(drop_last=True)",
-                self._epoch,
+                epoch,
                 len(plan.dropped),
                 world,
             )
@@ -283,24 +296,25 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
 
     def __len__(self) -> int:
         plan = self.plan
-        steps = plan.num_steps - self._next_start
+        steps = plan.num_steps - self._position.start
         return steps if self.rank is not None else steps * plan.num_replicas
 
     def __iter__(self) -> Iterator[list[int]]:
-        plan = self.plan
-        generation = self._generation
-        start = self._next_start
-        self._position = start
+        plan, position = self.plan, self._position
+        generation, start = position.generation, position.start
+        # A pass starts where the epoch's cursor says: every step before it has been trained.
+        position.handed_out = position.trained = start
         world = plan.num_replicas
+        slots = [self.rank] if self.rank is not None else range(world)
         for step in range(start, plan.num_steps):
-            slots = [self.rank] if self.rank is not None else range(world)
             for slot in slots:
-                if self._generation != generation:
+                if position.generation != generation:
                     return  # the plan changed (re-plan, new epoch, resume): stop this pass
                 yield plan.batch(step * world + slot).tolist()
-            self._position = step + 1
-        if self._generation == generation:
-            self._next_start = 0
+            if position.generation != generation:
+                return  # changed while the step's last batch was out: the position is the new plan's
+            position.handed_out = step + 1
+        position.start = 0
 
     def set_epoch(self, epoch: int) -> None:
         """Start epoch ``epoch`` (a new plan); the current epoch again is a no-op.
@@ -313,13 +327,12 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
         ``train_dataloader.set_epoch(epoch)`` on the prepared DataLoader.
         """
         epoch = _checks.non_negative_int("epoch", epoch)
-        if epoch == self._epoch:
+        if epoch == self._position.epoch:
             return
-        self._epoch = epoch
+        self._position.epoch = epoch
         self._epoch_max_tokens = self._max_tokens
         self._replans = []
-        self._next_start = self._position = 0
-        self._generation += 1
+        self._position.move_to(0)
 
     def replan(self, max_tokens: float, *, steps_done: int) -> None:
         """Change the budget and re-plan every sample after the first ``steps_done`` steps.
@@ -339,29 +352,24 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
         if steps_done > self.plan.num_steps:
             raise ValueError(
                 f"steps_done should be at most the {self.plan.num_steps} steps of epoch "
-                f"{self._epoch}, but got steps_done={steps_done}"
+                f"{self.epoch}, but got steps_done={steps_done}"
             )
         replans = [*self._replans, (steps_done, max_tokens)]
-        plan = self._make_plan(self._epoch_max_tokens, replans)  # raises before changing anything
+        plan = self._make_plan(self.epoch, self._epoch_max_tokens, replans)  # raises before any change
         self._replans = replans
-        self._cache = ((self._epoch, self.num_replicas, self._epoch_max_tokens, tuple(replans)), plan)
+        self._cache = ((self.epoch, self.num_replicas, self._epoch_max_tokens, tuple(replans)), plan)
         self._max_tokens = max_tokens
-        self._next_start = self._position = steps_done
-        self._generation += 1
+        self._position.move_to(steps_done)
         logger.info(
-            "epoch %d: re-planned from step %d under max_tokens=%g", self._epoch, steps_done, max_tokens
+            "epoch %d: re-planned from step %d under max_tokens=%g", self.epoch, steps_done, max_tokens
         )
 
     # -- checkpointing -----------------------------------------------------------
 
     def _settings(self) -> dict[str, Any]:
+        cost = self.cost
         return {
-            "cost": [
-                self.cost.linear,
-                self.cost.quadratic,
-                self.cost.per_sample,
-                self.cost.pad_to_multiple_of,
-            ],
+            "cost": [cost.linear, cost.quadratic, cost.per_sample, cost.pad_to_multiple_of],
             "shuffle": self.shuffle,
             "seed": self.seed,
             "max_batch_size": self.max_batch_size,
@@ -374,7 +382,7 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
 
     def _lengths_digest(self) -> str:
         if self._digest is None:
-            self._digest = hashlib.blake2b(self.lengths.tobytes(), digest_size=16).hexdigest()
+            self._digest = lengths_digest(self.lengths)
         return self._digest
 
     def state_dict(self, *, steps_done: int | None = None) -> dict[str, Any]:
@@ -383,21 +391,22 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
         Args:
             steps_done: steps trained so far in this epoch. Defaults to the
                 steps this sampler has handed out, which runs ahead of training
-                when the DataLoader prefetches; pass the true count when you have it.
+                when the DataLoader prefetches; pass the true count when you
+                have it (``sampler.position.trained`` when the loop counts it).
         """
-        position = (
-            self._position if steps_done is None else _checks.non_negative_int("steps_done", steps_done)
-        )
+        done = self._position.handed_out
+        if steps_done is not None:
+            done = _checks.non_negative_int("steps_done", steps_done)
         return {
             "version": STATE_VERSION,
             "num_samples": len(self.lengths),
             "lengths_digest": self._lengths_digest(),
             "settings": self._settings(),
-            "epoch": self._epoch,
+            "epoch": self.epoch,
             "max_tokens": self._max_tokens,
             "epoch_max_tokens": self._epoch_max_tokens,
             "replans": [list(r) for r in self._replans],
-            "steps_done": position,
+            "steps_done": done,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -406,53 +415,20 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
         Raises:
             ValueError: the state is from another version, dataset or settings.
         """
-        if not isinstance(state, dict):
-            raise TypeError(f"state should be a dict from state_dict(), but got {type(state).__name__}")
-        unknown = set(state) - _STATE_KEYS
-        missing = _STATE_KEYS - set(state)
-        if unknown or missing:
-            raise ValueError(
-                f"state is not a TokenBudgetBatchSampler state_dict: unknown keys {sorted(unknown)}, "
-                f"missing keys {sorted(missing)}"
-            )
-        if state["version"] != STATE_VERSION:
-            raise ValueError(
-                f"state has version={state['version']!r}, but this tokenbatch reads version "
-                f"{STATE_VERSION}; resume with the tokenbatch that saved it"
-            )
-        if state["num_samples"] != len(self.lengths) or state["lengths_digest"] != self._lengths_digest():
-            raise ValueError(
-                f"state was saved for a different dataset ({state['num_samples']} samples, lengths "
-                f"digest {state['lengths_digest']}) than this sampler's ({len(self.lengths)} samples, "
-                f"digest {self._lengths_digest()}); build the sampler from the same lengths"
-            )
-        saved = dict(state["settings"])
-        ours = self._settings()
-        if saved != ours:
-            diff = {
-                k: (saved.get(k), ours.get(k)) for k in set(saved) | set(ours) if saved.get(k) != ours.get(k)
-            }
-            changes = ", ".join(f"{k}: saved {a!r}, now {b!r}" for k, (a, b) in sorted(diff.items()))
-            raise ValueError(
-                f"state was saved with different sampler settings ({changes}); "
-                f"build the sampler with the saved settings to resume"
-            )
+        check_state(
+            state, num_samples=len(self.lengths), digest=self._lengths_digest(), settings=self._settings()
+        )
         replans = [(int(s), float(t)) for s, t in state["replans"]]
         epoch_max_tokens = _checks.positive_number("epoch_max_tokens", state["epoch_max_tokens"])
         steps_done = _checks.non_negative_int("steps_done", state["steps_done"])
         epoch = _checks.non_negative_int("epoch", state["epoch"])
-        previous = (self._epoch, self._epoch_max_tokens, self._replans)
-        self._epoch, self._epoch_max_tokens, self._replans = epoch, epoch_max_tokens, replans
-        try:
-            num_steps = self.plan.num_steps
-        except (ValueError, OversizeSampleError):
-            self._epoch, self._epoch_max_tokens, self._replans = previous
-            raise
-        if steps_done > num_steps:
-            self._epoch, self._epoch_max_tokens, self._replans = previous
+        plan = self._make_plan(epoch, epoch_max_tokens, replans)  # raises before any change
+        if steps_done > plan.num_steps:
             raise ValueError(
-                f"state has steps_done={steps_done}, more than the {num_steps} steps of its epoch"
+                f"state has steps_done={steps_done}, more than the {plan.num_steps} steps of its epoch"
             )
-        self._max_tokens = _checks.positive_number("max_tokens", state["max_tokens"])
-        self._next_start = self._position = steps_done
-        self._generation += 1
+        max_tokens = _checks.positive_number("max_tokens", state["max_tokens"])
+        self._position.epoch, self._epoch_max_tokens, self._replans = epoch, epoch_max_tokens, replans
+        self._cache = ((epoch, self.num_replicas, epoch_max_tokens, tuple(replans)), plan)
+        self._max_tokens = max_tokens
+        self._position.move_to(steps_done)

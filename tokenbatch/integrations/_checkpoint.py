@@ -6,6 +6,9 @@ import json
 import os
 from typing import Any
 
+from tokenbatch.oom import OOMFallback
+from tokenbatch.sampler import TokenBudgetBatchSampler
+
 STATE_FILE = "tokenbatch_state.json"
 VERSION = 1
 
@@ -45,21 +48,23 @@ def read_state(checkpoint: str, oom_mode: str | None) -> dict[str, Any]:
     return state
 
 
-def checkpoint_state(trainer: Any) -> dict[str, Any]:
-    """Where the trainer is: the sampler's position and budget, the fallback's state, the run's length.
+def checkpoint_state(
+    *,
+    oom_mode: str | None,
+    sampler: TokenBudgetBatchSampler,
+    fallback: OOMFallback | None,
+    max_steps: int,
+    schedule_length: int,
+) -> dict[str, Any]:
+    """Where the run is: the sampler's position and budget, the fallback's state, the run's length.
 
     Checkpoints are saved after optimizer steps, when every batch handed out
-    has been trained: the fallback counts them (or the feed, without one).
+    has been trained: the sampler's ``position.trained`` counts them.
     """
-    sampler, fallback, feed = trainer.train_sampler, trainer.oom_fallback, trainer._feed
-    if fallback is not None:
-        steps_done: int | None = fallback.steps_done
-    else:
-        steps_done = None if feed is None else feed.next_step - len(feed.pending)
     return {
-        "oom_mode": trainer.oom_mode,
-        "sampler": sampler.state_dict(steps_done=steps_done),
+        "oom_mode": oom_mode,
+        "sampler": sampler.state_dict(steps_done=sampler.position.trained),
         "fallback": None if fallback is None else fallback.state_dict(),
-        "max_steps": trainer.state.max_steps,
-        "schedule_length": trainer._schedule_length,
+        "max_steps": max_steps,
+        "schedule_length": schedule_length,
     }

@@ -1,18 +1,16 @@
-"""Token lengths from a Trainer's datasets, and DataLoaders batched by a token budget."""
+"""Token lengths from a Trainer's datasets, and the sampler and DataLoader options for a token budget."""
 
 from __future__ import annotations
 
-import logging
 from functools import partial
 from typing import Any
 
 import numpy as np
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import IterableDataset
 
+from tokenbatch.cost import CostModel
 from tokenbatch.lengths import column_lengths
 from tokenbatch.sampler import TokenBudgetBatchSampler
-
-logger = logging.getLogger("tokenbatch.integrations.transformers")
 
 
 def dataset_lengths(dataset: Any, length_column: str, input_name: str) -> np.ndarray:
@@ -50,56 +48,33 @@ def dataset_lengths(dataset: Any, length_column: str, input_name: str) -> np.nda
         ) from None
 
 
-def new_sampler(
-    trainer: Any, lengths: np.ndarray, max_tokens: float, *, training: bool, warn: bool = True
+def budget_sampler(
+    lengths: np.ndarray,
+    max_tokens: float,
+    *,
+    cost: CostModel,
+    seed: int,
+    num_replicas: int,
+    training: bool,
+    options: dict[str, Any],
 ) -> TokenBudgetBatchSampler:
-    """The trainer's sampler for ``lengths``: shuffled by the data seed for training, in order otherwise."""
-    args = trainer.args
-    options = dict(trainer.sampler_options)
+    """A sampler for ``lengths``: shuffled by ``seed`` for training, in order otherwise.
+
+    ``options`` are the sampler's keyword options (``max_batch_size``,
+    ``batch_size_multiple``, ``oversize``); evaluation never drops a sample
+    (``oversize="alone"``). The sampler itself warns about samples over the budget.
+    """
+    options = dict(options)
     if not training:
-        options["oversize"] = "alone"  # evaluation never drops a sample
-    if warn and options["oversize"] != "error":
-        cost = trainer.token_cost
-        over = int(np.count_nonzero(cost.sample_cost(cost.padded_length(lengths)) > max_tokens))
-        if over:
-            action = "left out" if options["oversize"] == "skip" else "batched alone"
-            logger.warning(
-                "%d example(s) alone exceed max_tokens=%g and will be %s", over, max_tokens, action
-            )
+        options["oversize"] = "alone"
     return TokenBudgetBatchSampler(
-        lengths,
-        max_tokens,
-        cost=trainer.token_cost,
-        shuffle=training,
-        seed=args.data_seed if args.data_seed is not None else args.seed,
-        num_replicas=trainer.accelerator.num_processes,
-        **options,
+        lengths, max_tokens, cost=cost, shuffle=training, seed=seed, num_replicas=num_replicas, **options
     )
 
 
-def budget_dataloader(
-    trainer: Any, dataset: Any, description: str, max_tokens: float, *, training: bool
-) -> tuple[Any, TokenBudgetBatchSampler]:
-    """A DataLoader over ``dataset`` batched by ``max_tokens``, prepared by the trainer's accelerator.
-
-    Mirrors ``Trainer._get_dataloader`` (column removal, collator, worker
-    settings), with the sampler as ``batch_sampler``; the sampler yields the
-    global plan, which accelerate's ``BatchSamplerShard`` shares out by rank.
-    """
-    processing = trainer.processing_class
-    names = getattr(processing, "model_input_names", None)
-    input_name = names[0] if names else "input_ids"
-    lengths = dataset_lengths(dataset, trainer.args.length_column_name, input_name)
-    sampler = new_sampler(trainer, lengths, max_tokens, training=training)
-    collator = trainer.data_collator
-    if hasattr(dataset, "column_names") and hasattr(dataset, "remove_columns"):
-        dataset = trainer._remove_unused_columns(dataset, description=description)
-    else:
-        collator = trainer._get_collator_with_removed_columns(collator, description=description)
-    args = trainer.args
+def loader_options(args: Any, *, training: bool) -> dict[str, Any]:
+    """The DataLoader keywords ``Trainer._get_dataloader`` takes from ``TrainingArguments`` ``args``."""
     params: dict[str, Any] = {
-        "batch_sampler": sampler,
-        "collate_fn": collator,
         "num_workers": args.dataloader_num_workers,
         "pin_memory": args.dataloader_pin_memory,
         "persistent_workers": args.dataloader_persistent_workers,
@@ -117,4 +92,4 @@ def budget_dataloader(
         params["worker_init_fn"] = partial(
             seed_worker, num_workers=args.dataloader_num_workers, rank=args.process_index
         )
-    return trainer.accelerator.prepare(DataLoader(dataset, **params)), sampler
+    return params

@@ -4,23 +4,25 @@ Trainer's loop runs a fixed number of iterations over one DataLoader
 iterator and prefetches a gradient-accumulation group of batches ahead.
 Neither survives a re-plan: the iterator stops when the sampler's plan
 changes, and the prefetched batches came from the old plan. :class:`Feed`
-owns the DataLoader iterator instead, numbers every batch with its step in
-the epoch's plan, restarts the DataLoader at the first step not yet trained,
-and swaps a prefetched batch from an outdated plan for the next batch of the
-new one when the Trainer hands it back for training.
+draws the epoch from :class:`~tokenbatch._epoch.EpochBatches` instead (the
+re-plan-aware iterator the OOM guard uses too), which numbers every batch
+with its step in the epoch's plan and restarts the DataLoader at the first
+step not yet trained; the feed swaps a prefetched batch from an outdated plan
+for the next batch of the new one when the Trainer hands it back for
+training, and counts the steps trained in the sampler's ``position``.
 """
 
 from __future__ import annotations
 
-import contextlib
 from collections import deque
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
+from tokenbatch._epoch import EpochBatches
 from tokenbatch.sampler import TokenBudgetBatchSampler
 
 
@@ -41,51 +43,31 @@ def padding(main_input_name: str) -> Padding:
 class _Entry:
     batch: Any
     step: int | None  # None: a padding slot
-    generation: int
+    generation: int  # the sampler's plan generation when the batch was drawn
 
 
 class Feed:
     """This epoch's batches, each with its step in the plan, restartable after a re-plan."""
 
     def __init__(self, dataloader: Any, sampler: TokenBudgetBatchSampler) -> None:
-        self.dataloader = dataloader
         self.sampler = sampler
-        self.generation = 0
-        self.next_step = sampler.start_step
-        """The step of the next batch the DataLoader will give."""
+        self.batches: EpochBatches[Any] = EpochBatches(dataloader, sampler)
         self.pending: deque[_Entry] = deque()
         """Batches handed to the Trainer and not yet back in ``training_step``, in order."""
-        self._iterator: Iterator[Any] | None = None
-        self._exhausted = False
 
-    def _pull(self) -> tuple[Any, int] | None:
-        if self._exhausted:
-            return None
-        if self._iterator is None:
-            # accelerate's DataLoaderShard sets the sampler's epoch from its own count of full passes
-            # when iterated; after a restart that count may be one ahead of the epoch.
-            set_epoch = getattr(self.dataloader, "set_epoch", None)
-            if callable(set_epoch):
-                set_epoch(self.sampler.epoch)
-            self._iterator = iter(self.dataloader)
-        try:
-            batch = next(self._iterator)
-        except StopIteration:
-            self._iterator = None
-            self._exhausted = True
-            return None
-        step = self.next_step
-        self.next_step += 1
-        return batch, step
+    def next_batch(self) -> tuple[Any, int] | None:
+        """The next batch of the current plan and its step, or None at the epoch's end."""
+        item = next(self.batches, None)
+        return None if item is None else (item[1], item[0])
 
     def take(self, count: int) -> list[Any]:
         """Up to ``count`` batches (fewer at the end of the epoch)."""
         batches: list[Any] = []
         while len(batches) < count:
-            item = self._pull()
+            item = self.next_batch()
             if item is None:
                 break
-            self.pending.append(_Entry(item[0], item[1], self.generation))
+            self.pending.append(_Entry(item[0], item[1], self.sampler.position.generation))
             batches.append(item[0])
         return batches
 
@@ -93,7 +75,7 @@ class Feed:
         """``batches`` filled up to ``count`` with padding slots."""
         while len(batches) < count:
             slot = padding(main_input_name)
-            self.pending.append(_Entry(slot, None, self.generation))
+            self.pending.append(_Entry(slot, None, self.sampler.position.generation))
             batches.append(slot)
         return batches
 
@@ -107,42 +89,28 @@ class Feed:
         if not self.pending or self.pending[0].batch is not inputs:
             return None if isinstance(inputs, Padding) else (inputs, None)
         entry = self.pending.popleft()
-        if entry.generation != self.generation:
-            return self._pull()
+        if entry.generation != self.sampler.position.generation:
+            return self.next_batch()
         return None if entry.step is None else (entry.batch, entry.step)
 
-    def restart(self) -> None:
-        """After a re-plan: continue at the step the sampler's next iteration starts at."""
-        self.close()
-        self.generation += 1
-        self.next_step = self.sampler.start_step
-        self._exhausted = False
-
-    def next_batch(self) -> tuple[Any, int] | None:
-        return self._pull()
-
-    def remaining_after_pending(self) -> int:
-        """Batches of the current plan left once the slots already handed out are filled."""
-        return max(0, self.sampler.plan.num_steps - self.next_step - len(self.pending))
-
-    def global_samples(self, step: int) -> int:
-        """Samples in global step ``step`` of the current plan, over all ranks."""
+    def mark_trained(self, step: int) -> int:
+        """Count step ``step`` as trained; returns its samples over all ranks."""
+        self.sampler.position.trained = step + 1
         plan = self.sampler.plan
         world = plan.num_replicas
         return int(plan.offsets[(step + 1) * world] - plan.offsets[step * world])
 
+    def restart(self) -> None:
+        """After a re-plan: continue at the step the sampler's next iteration starts at."""
+        self.batches.restart()
+
+    def remaining_after_pending(self) -> int:
+        """Batches of the current plan left once the slots already handed out are filled."""
+        return max(0, self.sampler.plan.num_steps - self.batches.next_step - len(self.pending))
+
     def close(self) -> None:
         """Stop the DataLoader iterator (and unregister it from accelerate's gradient state)."""
-        iterator, self._iterator = self._iterator, None
-        if iterator is None:
-            return
-        close = getattr(iterator, "close", None)
-        if callable(close):
-            close()
-        end = getattr(self.dataloader, "end", None)  # what DataLoaderShard does when it finishes
-        if callable(end):
-            with contextlib.suppress(ValueError):  # it had already ended
-                end()
+        self.batches.close()
 
 
 # -- predictions back in dataset order ---------------------------------------------

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
-from typing import Any, cast
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 from torch import nn
@@ -33,16 +33,24 @@ class SyncEveryStep:
         self._accelerator.backward(loss, **kwargs)
 
 
-def labelled_items(trainer: Any, batch: Any) -> float:
-    """Items a batch's loss averages over, counted as Trainer counts ``num_items_in_batch``; else rows."""
+def count_items(batch: Any, *, shifts_labels: bool) -> float:
+    """Items a batch's loss averages over, counted as Trainer counts ``num_items_in_batch``; else rows.
+
+    ``shifts_labels``: the model's loss drops each row's first label (causal language models).
+    """
     labels = batch.get("labels") if isinstance(batch, Mapping) else None
     if isinstance(labels, torch.Tensor) and labels.dim() > 0:
-        if getattr(trainer, "_loss_shifts_labels", False) and labels.dim() > 1:
+        if shifts_labels and labels.dim() > 1:
             labels = labels[..., 1:]
         return float((labels != -100).sum())
     values = batch.values() if isinstance(batch, Mapping) else [batch]
     first = next((v for v in values if isinstance(v, torch.Tensor) and v.dim() > 0), None)
     return float(first.shape[0]) if first is not None else 1.0
+
+
+def labelled_items(trainer: Any, batch: Any) -> float:
+    """:func:`count_items` as ``trainer``'s loss counts them."""
+    return count_items(batch, shifts_labels=bool(getattr(trainer, "_loss_shifts_labels", False)))
 
 
 def make_fallback(
@@ -65,39 +73,46 @@ def make_fallback(
     return fallback
 
 
-def guarded_step(
-    trainer: Any, fallback: OOMFallback, model: nn.Module, batch: Any, num_items: torch.Tensor | int | None
-) -> torch.Tensor | None:
-    """``Trainer.training_step`` for one batch, with forward and backward run by ``fallback``.
+def share_loss(
+    compute: Callable[[Any, torch.Tensor | float | None], torch.Tensor],
+    batch: Any,
+    num_items: torch.Tensor | int | None,
+    *,
+    shifts_labels: bool,
+    divisor: float,
+) -> Callable[[Any], torch.Tensor]:
+    """The fallback's ``loss_fn`` for ``batch``: ``compute(part, num_items_of_part) / divisor``.
 
-    Returns the detached loss, or None when the fallback re-planned the epoch
-    (halve mode) instead of training this batch.
+    ``compute`` is Trainer's ``compute_loss`` for one (micro-)batch;
+    ``divisor`` is the accumulation steps for a loss not yet scaled for them, else 1.
     """
-    model.train()
-    if callable(getattr(trainer.optimizer, "train", None)):
-        trainer.optimizer.train()
-    batch = trainer._prepare_inputs(batch)
-    whole = labelled_items(trainer, batch)
-    scaled = getattr(trainer, "loss_is_scaled_for_ga", None)  # as Trainer.training_step decides it
-    if scaled is None:
-        scaled = (
-            trainer.model_accepts_loss_kwargs and num_items is not None
-        ) or trainer.compute_loss_func is not None
+    whole = count_items(batch, shifts_labels=shifts_labels)
 
     def loss_fn(part: Any) -> torch.Tensor:
         items: torch.Tensor | float | None = num_items
-        count = labelled_items(trainer, part)
+        count = count_items(part, shifts_labels=shifts_labels)
         if items is not None and part is not batch and count > 0 and whole > 0:
             # A loss normalised by num_items (a sum over items / N) becomes, for a micro-batch holding
             # a share w of the items, (its sum) / (N * w): times the fallback's weight w, the sum over N.
             items = items * (count / whole)
-        with trainer.compute_loss_context_manager():
-            # A copy: compute_loss may pop "labels", and a failed attempt is run again.
-            inputs = dict(part) if isinstance(part, Mapping) else part
-            loss = trainer.compute_loss(model, inputs, num_items_in_batch=items)
-        return cast(torch.Tensor, loss if scaled else loss / trainer.current_gradient_accumulation_steps)
+        # A copy: compute_loss may pop "labels", and a failed attempt is run again.
+        inputs = dict(part) if isinstance(part, Mapping) else part
+        loss = compute(inputs, items)
+        return loss if divisor == 1 else loss / divisor
 
-    # The fallback drops every gradient when a batch fails: keep the group's earlier batches' aside.
+    return loss_fn
+
+
+def guarded_backward(
+    fallback: OOMFallback, model: nn.Module, batch: Any, loss_fn: Callable[[Any], torch.Tensor]
+) -> torch.Tensor | None:
+    """``fallback.backward(batch, loss_fn)``, with the gradients of the group's earlier batches kept.
+
+    The fallback drops every gradient when a batch fails: the gradients
+    already accumulated are set aside while it runs and added back after.
+    Returns the detached loss, or None when the fallback re-planned the epoch
+    (halve mode) instead of training this batch.
+    """
     params = [p for p in model.parameters() if p.requires_grad]
     kept: list[torch.Tensor | None] | None = [p.grad for p in params]
     if any(grad is not None for grad in kept or []):
@@ -114,15 +129,16 @@ def guarded_step(
                     param.grad = grad if param.grad is None else param.grad.add_(grad)
 
 
-def check_supported(trainer: Any) -> None:
-    """Raise for Trainer settings a token-budget run cannot honour.
+def check_supported(args: Any, oom_mode: str | None, *, sharded: bool) -> None:
+    """Raise for ``TrainingArguments`` ``args`` that a token-budget run cannot honour.
+
+    ``sharded``: DeepSpeed or FSDP trains the model.
 
     Raises:
         ValueError: ``auto_find_batch_size`` (it restarts the run), a
             fractional ``num_train_epochs`` (epochs have a varying number of
             steps), or an out-of-memory guard under DeepSpeed, FSDP or DataParallel.
     """
-    args = trainer.args
     if args.auto_find_batch_size:
         raise ValueError(
             "auto_find_batch_size=True restarts training with a smaller batch size on out-of-memory; "
@@ -133,11 +149,9 @@ def check_supported(trainer: Any) -> None:
             f"num_train_epochs should be a whole number with TokenBudgetTrainer (epochs have a varying "
             f"number of steps), but got num_train_epochs={args.num_train_epochs}; use max_steps instead"
         )
-    if trainer.oom_mode is not None and (
-        trainer.is_deepspeed_enabled or trainer.is_fsdp_enabled or args.n_gpu > 1
-    ):
+    if oom_mode is not None and (sharded or args.n_gpu > 1):
         raise ValueError(
-            f"oom_mode={trainer.oom_mode!r} guards single-process and DDP training (accelerate launch, "
+            f"oom_mode={oom_mode!r} guards single-process and DDP training (accelerate launch, "
             f"torchrun), not DeepSpeed, FSDP or DataParallel; use oom_mode=None there"
         )
     if getattr(args, "train_sampling_strategy", None) in ("group_by_length", "batch_rebalance"):

@@ -14,39 +14,43 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from typing import Any
 
 from transformers import TrainerCallback
 
-from tokenbatch.integrations._data import new_sampler
-from tokenbatch.integrations._feed import Feed
+from tokenbatch.sampler import TokenBudgetBatchSampler
 
 logger = logging.getLogger("tokenbatch.integrations.transformers")
 _KEY = "tokenbatch_stretch"
 
 
-def planned_updates(trainer: Any, epoch: int, max_tokens: float) -> int:
-    """Optimizer steps the plan of ``epoch`` makes under ``max_tokens``."""
-    probe = new_sampler(trainer, trainer.train_sampler.lengths, max_tokens, training=True, warn=False)
-    probe.set_epoch(epoch)
-    return math.ceil(int(probe.plan.num_steps) / int(trainer.args.gradient_accumulation_steps))
+def planned_updates(
+    sampler: TokenBudgetBatchSampler, epoch: int, max_tokens: float, accumulation: int
+) -> int:
+    """Optimizer steps the plan of ``epoch`` makes under ``max_tokens``, ``accumulation`` batches a step."""
+    return math.ceil(sampler.steps_in_epoch(epoch, max_tokens) / accumulation)
 
 
-def grow_run(trainer: Any, feed: Feed) -> None:
-    """After a re-plan: raise ``state.max_steps`` to the steps now planned and stretch the schedule to it."""
-    sampler, state = trainer.train_sampler, trainer.state
-    if trainer.args.max_steps > 0:
-        return  # a run of a fixed number of steps stays that long
-    rest = math.ceil(feed.remaining_after_pending() / trainer.args.gradient_accumulation_steps)
-    later = range(sampler.epoch + 1, int(trainer.args.num_train_epochs))
-    total = state.global_step + 1 + rest + sum(planned_updates(trainer, e, sampler.max_tokens) for e in later)
-    if total <= state.max_steps:
-        return
-    logger.info("max_tokens=%g: %d optimizer steps instead of %d", sampler.max_tokens, total, state.max_steps)
+def grown_length(
+    sampler: TokenBudgetBatchSampler, *, remaining: int, global_step: int, accumulation: int, epochs: int
+) -> int:
+    """Optimizer steps of the whole run after a re-plan, from optimizer step ``global_step`` on.
+
+    ``remaining``: the batches of this epoch's plan not yet handed out; later
+    epochs, up to ``epochs``, are planned under the sampler's budget in force.
+    """
+    later = range(sampler.epoch + 1, epochs)
+    rest = sum(planned_updates(sampler, e, sampler.max_tokens, accumulation) for e in later)
+    return global_step + 1 + math.ceil(remaining / accumulation) + rest
+
+
+def grow_run(state: Any, lr_scheduler: Any, callbacks: list[Any], total: int) -> None:
+    """Raise ``state.max_steps`` to ``total`` and stretch the schedule and the progress bar to it."""
     state.max_steps = total
-    if isinstance(trainer.lr_scheduler, StretchedSchedule):
-        trainer.lr_scheduler.stretch(total)
-    for callback in trainer.callback_handler.callbacks:  # the progress bar's total
+    if isinstance(lr_scheduler, StretchedSchedule):
+        lr_scheduler.stretch(total)
+    for callback in callbacks:  # the progress bar's total
         bar = getattr(callback, "training_bar", None)
         if bar is not None:
             bar.total = total
@@ -110,13 +114,15 @@ class StretchedSchedule:
 
 
 class EpochProgress(TrainerCallback):
-    """Sets ``state.epoch`` from the share of the epoch's plan trained (Trainer assumes a fixed count)."""
+    """Sets ``state.epoch`` from the share of the epoch's plan trained (Trainer assumes a fixed count).
 
-    def __init__(self, trainer: Any) -> None:
-        self.trainer = trainer
+    ``sampler`` gives the training sampler, or None before there is one.
+    """
+
+    def __init__(self, sampler: Callable[[], TokenBudgetBatchSampler | None]) -> None:
+        self.sampler = sampler
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        sampler, feed = self.trainer.train_sampler, self.trainer._feed
-        if sampler is not None and feed is not None:
-            done = feed.next_step - len(feed.pending)
-            state.epoch = sampler.epoch + done / max(1, sampler.plan.num_steps)
+        sampler = self.sampler()
+        if sampler is not None:
+            state.epoch = sampler.epoch + sampler.position.trained / max(1, sampler.plan.num_steps)

@@ -5,51 +5,29 @@ evaluates with one too, and guards every training step with an
 :class:`~tokenbatch.OOMFallback`: on out-of-memory it shrinks the budget on
 every rank and carries on from the same batch, with the same optimizer,
 scheduler and global step (``auto_find_batch_size`` instead restarts the run).
-
-How it fits Trainer's loop (transformers 5): the loop runs a count of
-optimizer steps fixed from ``len(train_dataloader)`` and prefetches a group
-of ``gradient_accumulation_steps`` batches at a time. Here the count is a
-bound the epoch cannot reach, the epoch ends when the sampler's plan does,
-the last group is filled with no-op slots, and a batch prefetched before a
-halve-mode re-plan is swapped for the next batch of the new plan. The
-scheduler is built for the exact number of optimizer steps the plans of all
-epochs make; a halve-mode re-plan adds steps, and then ``state.max_steps``
-grows so that no epoch is cut short and the schedule is stretched over the
-extra steps (see :class:`~tokenbatch.integrations._schedule.StretchedSchedule`).
+How it fits Trainer's loop is :mod:`tokenbatch.integrations._loop`'s business.
 """
 
 from __future__ import annotations
 
-import inspect
 import logging
-import math
-import os
-from collections.abc import Iterator
 from typing import Any, cast
-
-import torch
-from torch import nn
-from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 
 from tokenbatch import _checks
 from tokenbatch.cost import CostModel
-from tokenbatch.integrations._checkpoint import STATE_FILE, checkpoint_state, read_state, write_state
-from tokenbatch.integrations._data import budget_dataloader
-from tokenbatch.integrations._feed import Feed, inverse_order, reorder
-from tokenbatch.integrations._guard import check_supported, guarded_step, make_fallback
-from tokenbatch.integrations._schedule import EpochProgress, StretchedSchedule, grow_run, planned_updates
-from tokenbatch.oom import OOMEvent, OOMFallback
+from tokenbatch.oom import MODES, OOMEvent, OOMFallback
 from tokenbatch.plan import OVERSIZE_POLICIES
 from tokenbatch.sampler import TokenBudgetBatchSampler
 
 try:
-    from transformers import Trainer, TrainingArguments
-    from transformers.trainer_utils import (
-        PREFIX_CHECKPOINT_DIR,
-        PredictionOutput,
-        TrainOutput,
-        get_last_checkpoint,
-    )
+    from torch.utils.data import DataLoader
+    from transformers.trainer_utils import PredictionOutput
+
+    from tokenbatch.integrations._checkpoint import STATE_FILE
+    from tokenbatch.integrations._data import budget_sampler, dataset_lengths, loader_options
+    from tokenbatch.integrations._feed import inverse_order, reorder
+    from tokenbatch.integrations._guard import check_supported
+    from tokenbatch.integrations._loop import BudgetLoop
 except ImportError as error:  # pragma: no cover - the extra is not installed
     raise ImportError(
         "tokenbatch.integrations.transformers needs transformers and accelerate: "
@@ -59,10 +37,9 @@ except ImportError as error:  # pragma: no cover - the extra is not installed
 __all__ = ["STATE_FILE", "TokenBudgetTrainer"]
 
 logger = logging.getLogger(__name__)
-OOM_MODES = ("split", "halve")
 
 
-class TokenBudgetTrainer(Trainer):
+class TokenBudgetTrainer(BudgetLoop):
     """A ``Trainer`` whose batches fit a token budget and which recovers from out-of-memory in place.
 
     Use it as ``Trainer`` (same arguments), with ``max_tokens`` instead of a
@@ -127,38 +104,21 @@ class TokenBudgetTrainer(Trainer):
         if cost is not None and not isinstance(cost, CostModel):
             raise TypeError(f"cost should be a tokenbatch.CostModel, but got cost={cost!r}")
         self.token_cost = CostModel() if cost is None else cost
-        if oom_mode is not None and oom_mode not in OOM_MODES:
-            raise ValueError(f"oom_mode should be 'split', 'halve' or None, but got oom_mode={oom_mode!r}")
+        if oom_mode is not None and oom_mode not in MODES:
+            modes = ", ".join(repr(mode) for mode in MODES)
+            raise ValueError(f"oom_mode should be {modes} or None, but got oom_mode={oom_mode!r}")
         self.oom_mode = oom_mode
-        self.oom_factor = _checks.positive_number("oom_factor", oom_factor)
-        if self.oom_factor >= 1:
-            raise ValueError(f"oom_factor should be below 1 (the budget must shrink), but got {oom_factor!r}")
+        self.oom_factor = _checks.shrink_factor("oom_factor", oom_factor)
         self.min_tokens = None if min_tokens is None else _checks.positive_number("min_tokens", min_tokens)
         self.sampler_options: dict[str, Any] = {
             "max_batch_size": max_batch_size,
             "batch_size_multiple": batch_size_multiple,
             "oversize": _checks.one_of("oversize", oversize, OVERSIZE_POLICIES),
         }
-        for name in (
-            "_run_epoch",
-            "get_batch_samples",
-            "set_initial_training_values",
-            "_init_training_state",
-        ):
-            if not hasattr(Trainer, name):
-                raise ImportError(f"TokenBudgetTrainer needs transformers>=5 (Trainer.{name} is missing)")
-        self._sampler: TokenBudgetBatchSampler | None = None
-        self._fallback: OOMFallback | None = None
-        self._feed: Feed | None = None
-        self._resume: dict[str, Any] | None = None
-        self._group_size = 1
-        self._schedule_length = 0
-        self._samples_since_log = 0
-        self._logged_step = 0
         self._test_order: Any = None
         super().__init__(*args, **kwargs)
-        check_supported(self)
-        self.add_callback(EpochProgress(self))
+        sharded = bool(self.is_deepspeed_enabled or self.is_fsdp_enabled)
+        check_supported(self.args, self.oom_mode, sharded=sharded)
 
     # -- what it exposes -------------------------------------------------------------
 
@@ -177,18 +137,42 @@ class TokenBudgetTrainer(Trainer):
         """Every out-of-memory event of this run (resumed runs included)."""
         return [] if self._fallback is None else list(self._fallback.events)
 
-    def _budget(self) -> float:
-        if self._fallback is not None:
-            return self._fallback.max_tokens
-        return self._sampler.max_tokens if self._sampler is not None else self.max_tokens
-
     # -- data --------------------------------------------------------------------------
+
+    def _budget_dataloader(
+        self, dataset: Any, description: str, max_tokens: float, *, training: bool
+    ) -> tuple[Any, TokenBudgetBatchSampler]:
+        """A DataLoader over ``dataset`` batched by ``max_tokens``, prepared by the accelerator.
+
+        Mirrors ``Trainer._get_dataloader`` (column removal, collator, worker
+        settings), with the sampler as ``batch_sampler``; the sampler yields the
+        global plan, which accelerate's ``BatchSamplerShard`` shares out by rank.
+        """
+        names = getattr(self.processing_class, "model_input_names", None)
+        lengths = dataset_lengths(dataset, self.args.length_column_name, names[0] if names else "input_ids")
+        sampler = budget_sampler(
+            lengths,
+            max_tokens,
+            cost=self.token_cost,
+            seed=self.args.data_seed if self.args.data_seed is not None else self.args.seed,
+            num_replicas=self.accelerator.num_processes,
+            training=training,
+            options=self.sampler_options,
+        )
+        collator = self.data_collator
+        if hasattr(dataset, "column_names") and hasattr(dataset, "remove_columns"):
+            dataset = self._remove_unused_columns(dataset, description=description)
+        else:
+            collator = self._get_collator_with_removed_columns(collator, description=description)
+        options = loader_options(self.args, training=training)
+        loader = DataLoader(dataset, batch_sampler=sampler, collate_fn=collator, **options)
+        return self.accelerator.prepare(loader), sampler
 
     def get_train_dataloader(self) -> Any:
         if self.train_dataset is None:
             raise ValueError("Trainer: training requires a train_dataset.")
-        loader, sampler = budget_dataloader(
-            self, self.train_dataset, "Training", self.max_tokens, training=True
+        loader, sampler = self._budget_dataloader(
+            self.train_dataset, "Training", self.max_tokens, training=True
         )
         if self._resume is not None:
             sampler.load_state_dict(self._resume["sampler"])
@@ -208,13 +192,13 @@ class TokenBudgetTrainer(Trainer):
             dataset = cast(dict[str, Any], self.eval_dataset)[eval_dataset]
         else:
             dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
-        loader, _ = budget_dataloader(self, dataset, "Evaluation", self.eval_max_tokens, training=False)
+        loader, _ = self._budget_dataloader(dataset, "Evaluation", self.eval_max_tokens, training=False)
         if self.args.dataloader_persistent_workers:
             self._eval_dataloaders = {**cached, key: loader}
         return loader
 
     def get_test_dataloader(self, test_dataset: Any) -> Any:
-        loader, sampler = budget_dataloader(self, test_dataset, "test", self.eval_max_tokens, training=False)
+        loader, sampler = self._budget_dataloader(test_dataset, "test", self.eval_max_tokens, training=False)
         self._test_order = sampler.plan.order.copy()
         return loader
 
@@ -232,153 +216,3 @@ class TokenBudgetTrainer(Trainer):
             predictions=reorder(output.predictions, index, count),
             label_ids=reorder(output.label_ids, index, count),
         )
-
-    # -- the training run --------------------------------------------------------------
-
-    def train(
-        self,
-        resume_from_checkpoint: str | bool | None = None,
-        trial: Any = None,
-        ignore_keys_for_eval: list[str] | None = None,
-    ) -> TrainOutput:
-        """``Trainer.train``; a checkpoint to resume from must have been saved by TokenBudgetTrainer."""
-        self._fallback = self._resume = None
-        checkpoint: Any = resume_from_checkpoint
-        if checkpoint is True:
-            # None: Trainer raises its own error below
-            checkpoint = get_last_checkpoint(self.args.output_dir)  # type: ignore[no-untyped-call]
-        if isinstance(checkpoint, str | os.PathLike):
-            self._resume = read_state(os.fspath(checkpoint), self.oom_mode)
-        return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval)
-
-    def set_initial_training_values(
-        self, args: TrainingArguments, dataloader: Any
-    ) -> tuple[int, int, int, int, int, int | None, int]:
-        values = super().set_initial_training_values(args, dataloader)
-        if self._sampler is None:
-            return values
-        epochs, _, examples, samples, total_batch, steps_in_epoch, max_steps = values
-        per_epoch = planned_updates(self, 0, self.max_tokens)
-        if args.max_steps > 0:  # a margin for shorter epochs: the run stops at max_steps anyway
-            epochs = math.ceil(args.max_steps / per_epoch * 1.05) + 1
-        elif self._resume is not None:
-            max_steps = int(self._resume["schedule_length"])
-        else:  # exact: the plans are pure functions of (seed, epoch)
-            max_steps = sum(planned_updates(self, epoch, self.max_tokens) for epoch in range(epochs))
-        self._schedule_length = max_steps
-        return epochs, per_epoch, examples, samples, total_batch, steps_in_epoch, max_steps
-
-    def _init_training_state(self, *args: Any, **kwargs: Any) -> tuple[int, int]:
-        epochs_trained, steps = super()._init_training_state(*args, **kwargs)
-        sampler = self._sampler
-        if sampler is None:
-            return epochs_trained, steps
-        if self._resume is not None:
-            if self.args.ignore_data_skip:
-                logger.warning("ignore_data_skip=True is ignored: the sampler resumes at the next sample")
-            epochs_trained = sampler.epoch
-            if self.args.max_steps <= 0:
-                self.state.max_steps = int(self._resume["max_steps"])
-        self._samples_since_log, self._logged_step = 0, self.state.global_step
-        return epochs_trained, 0  # Trainer must not skip batches: the sampler starts at the right one
-
-    def create_scheduler(self, num_training_steps: int, optimizer: Any = None) -> LRScheduler:
-        scheduler = super().create_scheduler(num_training_steps, optimizer)
-        # Metric-driven schedulers (ReduceLROnPlateau, GreedyLR) do not count steps: nothing to stretch.
-        stepped = isinstance(scheduler, LRScheduler) and not isinstance(scheduler, ReduceLROnPlateau)
-        stepped = stepped and type(scheduler).__name__ != "GreedyLR"
-        if self.oom_mode == "halve" and self.args.max_steps <= 0 and stepped:
-            self.lr_scheduler = cast(Any, StretchedSchedule(scheduler, num_training_steps))
-        return cast(LRScheduler, self.lr_scheduler)
-
-    def _run_epoch(self, *args: Any, **kwargs: Any) -> Any:
-        if self._sampler is None:
-            return super()._run_epoch(*args, **kwargs)  # type: ignore[no-untyped-call]
-        bound = inspect.signature(super()._run_epoch).bind(*args, **kwargs)
-        values = bound.arguments
-        self._sampler.set_epoch(values["epoch"])
-        self._feed = Feed(values["train_dataloader"], self._sampler)
-        # A count of groups no epoch reaches (every step holds a sample): get_batch_samples ends the epoch.
-        groups = len(self._sampler.lengths) + 1
-        values["num_update_steps_per_epoch"] = groups
-        values["steps_in_epoch"] = groups * self.args.gradient_accumulation_steps
-        try:
-            return super()._run_epoch(*bound.args, **bound.kwargs)  # type: ignore[no-untyped-call]
-        finally:
-            self._feed.close()
-            self._feed = None
-
-    def get_batch_samples(
-        self, epoch_iterator: Iterator[Any], num_batches: int, device: torch.device
-    ) -> tuple[list[Any], torch.Tensor | int | None]:
-        feed = self._feed
-        if feed is None:
-            return super().get_batch_samples(epoch_iterator, num_batches, device)
-        batches = feed.take(num_batches)
-        if not batches:
-            self.control.should_epoch_stop = True
-            return [], None
-        _, num_items = super().get_batch_samples(iter(batches), len(batches), device)
-        self._group_size = len(batches)
-        # Full groups only: Trainer steps the optimizer at the end of a group of gradient_accumulation_steps.
-        main_input = getattr(self.model, "main_input_name", "input_ids")
-        return feed.pad(batches, num_batches, main_input), num_items
-
-    def training_step(
-        self,
-        model: nn.Module,
-        inputs: dict[str, torch.Tensor | Any],
-        num_items_in_batch: torch.Tensor | int | None = None,
-    ) -> torch.Tensor:
-        feed = self._feed
-        if feed is None:
-            return super().training_step(model, inputs, num_items_in_batch)
-        self.current_gradient_accumulation_steps = self._group_size  # real batches, not padding slots
-        item = feed.resolve(inputs)
-        replanned = False
-        loss = None
-        while item is not None:
-            batch, step = item
-            if self.oom_mode is None:
-                loss = super().training_step(model, batch, num_items_in_batch)
-            else:
-                loss = guarded_step(self, self._fallback_for(model), model, batch, num_items_in_batch)
-            if loss is not None:
-                if step is not None:
-                    self._samples_since_log += feed.global_samples(step)
-                break
-            replanned = True  # halve mode: the rest of the epoch was re-planned from this batch on
-            feed.restart()
-            item = feed.next_batch()
-        if replanned:
-            grow_run(self, feed)
-        return loss if loss is not None else torch.zeros((), device=self.args.device)
-
-    def _fallback_for(self, model: nn.Module) -> OOMFallback:
-        """The fallback for the model as Trainer wrapped it (made at the first step, kept across re-wraps)."""
-        fallback = self._fallback
-        if fallback is None or fallback.model is not model:
-            assert self._sampler is not None
-            state = fallback.state_dict() if fallback is not None else (self._resume or {}).get("fallback")
-            fallback = self._fallback = make_fallback(self, self._sampler, model, state)
-        return fallback
-
-    # -- logs and checkpoints -------------------------------------------------------
-
-    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        if self._sampler is not None and "loss" in logs and self.state.global_step > self._logged_step:
-            steps = self.state.global_step - self._logged_step
-            logs = {
-                **logs,
-                "max_tokens": self._budget(),
-                "step_samples": self._samples_since_log / steps,
-                "oom_events": float(len(self.oom_events)),
-            }
-            self._samples_since_log, self._logged_step = 0, self.state.global_step
-        super().log(logs, start_time)
-
-    def _save_checkpoint(self, model: nn.Module, trial: Any) -> None:
-        if self._sampler is not None and self.args.should_save:
-            name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
-            write_state(os.path.join(self._get_output_dir(trial=trial), name), checkpoint_state(self))
-        super()._save_checkpoint(model, trial)
