@@ -16,8 +16,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
 
 from oom_common import collate, flat_params, loss_fn, make_rows, quiet, tiny_bert
 
-from tokenbatch import OOMFallback, SampleTooLargeError, TokenBudgetBatchSampler
+from tokenbatch import OOMFallback, SampleTooLargeError, TokenBudgetBatchSampler, remember_budget
 from tokenbatch.budget_cache import BudgetCache, BudgetKey
+from tokenbatch.oom import Halve, Split
 from tokenbatch.testing import inject_oom
 
 quiet()
@@ -32,6 +33,7 @@ def train(
     where: str = "forward",
     epochs: int = 2,
     loader: Callable[[TokenBudgetBatchSampler], Any] | None = None,
+    setup: Callable[[OOMFallback], None] | None = None,
     **options: Any,
 ) -> tuple[torch.nn.Module, list[int], OOMFallback]:
     """Train two epochs; batches above ``limit`` padded tokens run out of memory."""
@@ -40,6 +42,8 @@ def train(
     sampler = TokenBudgetBatchSampler(LENGTHS, 256, seed=0)
     data = loader(sampler) if loader else DataLoader(ROWS, batch_sampler=sampler, collate_fn=collate)
     fallback = OOMFallback(sampler, model, mode=mode, **options)
+    if setup is not None:
+        setup(fallback)
     trained: list[int] = []
     injector = inject_oom(model, limit, where=where) if limit is not None else None
     for epoch in range(epochs):
@@ -194,12 +198,13 @@ def test_fallback_state_restores_the_micro_batch_budget() -> None:
 def test_the_budget_that_worked_is_remembered(tmp_path: Path, mode: str) -> None:
     cache = BudgetCache(tmp_path / "budgets.json")
     key = BudgetKey("tiny-bert", "cpu:test", 2**30, "float32", 1)
-    _, _, fallback = train(mode, limit=200, epochs=1, remember=key, cache=cache)
+    _, _, fallback = train(mode, limit=200, epochs=1, setup=lambda f: remember_budget(f, key, cache))
     entry = cache.get(key)
     assert entry is not None and entry["max_tokens"] == fallback.max_tokens < 256
     assert entry["source"] == "oom" and entry["mode"] == mode
     sampler = TokenBudgetBatchSampler(LENGTHS, 256, seed=0)
-    again = OOMFallback(sampler, tiny_bert(0), mode=mode, remember=key, cache=cache)
+    again = OOMFallback(sampler, tiny_bert(0), mode=mode)
+    remember_budget(again, key, cache=cache)
     assert again.max_tokens == fallback.max_tokens
     assert sampler.max_tokens == (fallback.max_tokens if mode == "halve" else 256)
 
@@ -218,12 +223,46 @@ def test_events_are_logged(caplog: pytest.LogCaptureFixture) -> None:
         ({"factor": 1.0}, "factor should be below 1"),
         ({"factor": 0}, "factor should be a positive"),
         ({"min_tokens": -1}, "min_tokens should be a positive"),
-        ({"weight": "rows"}, "weight should be 'samples', 'tokens' or a function"),
     ],
 )
 def test_arguments_are_checked(options: dict[str, Any], match: str) -> None:
     with pytest.raises(ValueError, match=match):
         OOMFallback(TokenBudgetBatchSampler(LENGTHS, 256), tiny_bert(0), **options)
+
+
+def test_split_options_are_checked_once_and_old_keywords_say_where_they_went() -> None:
+    with pytest.raises(ValueError, match="weight should be 'samples', 'tokens' or a function"):
+        Split(weight="rows")
+    sampler = TokenBudgetBatchSampler(LENGTHS, 256)
+    assert OOMFallback(sampler, tiny_bert(0), mode=Split(weight="tokens")).mode == "split"
+    assert OOMFallback(sampler, tiny_bert(0), mode=Halve()).mode == "halve"
+    for option, fix in [
+        ({"weight": "tokens"}, r"mode=tokenbatch\.oom\.Split\(weight=\.\.\.\)"),
+        ({"pad_token_id": 0}, r"Split\(pad_token_id=\.\.\.\)"),
+        ({"trim_padding": False}, r"Split\(trim_padding=\.\.\.\)"),
+        ({"remember": None}, r"tokenbatch\.remember_budget\(fallback, key\)"),
+        ({"cache": None}, r"remember_budget\(fallback, key, cache=cache\)"),
+        ({"weigth": "tokens"}, "unexpected keyword argument 'weigth'"),
+    ]:
+        with pytest.raises(TypeError, match=fix):
+            OOMFallback(sampler, tiny_bert(0), **option)
+
+
+@pytest.mark.parametrize("mode", ["split", "halve"])
+def test_start_from_lowers_the_budget_and_listeners_hear_of_new_budgets(mode: str) -> None:
+    heard: list[float] = []
+
+    def setup(fallback: OOMFallback) -> None:
+        assert not fallback.start_from(256) and fallback.start_from(220) and fallback.max_tokens == 220
+        fallback.add_listener(lambda f: heard.append(f.max_tokens))
+
+    _, trained, fallback = train(mode, limit=100, epochs=1, setup=setup)
+    assert sorted(trained) == list(range(64))
+    assert fallback.events and fallback.events[0].old_max_tokens == 220
+    if mode == "split":
+        assert fallback.sampler.max_tokens == 256  # the plan stays; micro-batches start at 220
+    # Once per step trained after new events, that is after the new budget was shown to fit.
+    assert 1 <= len(heard) <= len(fallback.events) and heard[-1] == fallback.max_tokens
 
 
 def test_wrong_sampler_or_model_type() -> None:
@@ -269,7 +308,7 @@ def test_token_weights_split_a_token_averaged_loss_exactly() -> None:
     token_mean(batch).backward()
     whole = [p.grad.clone() for p in model.parameters()]
     model.zero_grad(set_to_none=True)
-    fallback = OOMFallback(TokenBudgetBatchSampler(LENGTHS, 256), model, weight="tokens")
+    fallback = OOMFallback(TokenBudgetBatchSampler(LENGTHS, 256), model, mode=Split(weight="tokens"))
     with inject_oom(model, 60, times=1) as injector:
         loss = fallback.backward(batch, token_mean)
     assert injector.count == 1 and fallback.max_tokens < 256 and loss is not None

@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from tokenbatch import CostModel, SampleTooLargeError, is_oom
-from tokenbatch._oom_types import OK, OOM, next_event
-from tokenbatch._split import inspect_batch, plan_micro_batches, split_batch, take_rows
+from tokenbatch.oom import Split
+from tokenbatch.oom._outcome import Outcome, Phase, next_event, pack, unpack
+from tokenbatch.oom._split import inspect_batch, plan_micro_batches, split_batch, take_rows
 
 CPU_OOM = (
     "[enforce fail at alloc_cpu.cpp:127] DefaultCPUAllocator: can't allocate memory: you tried to allocate 8"
@@ -57,31 +58,47 @@ def test_sample_too_large_is_final_even_with_an_oom_inside() -> None:
 # -- the budget rule every rank applies -------------------------------------------------
 
 
-def rule(rows: list[list[float]], **kwargs: object) -> object:
+OK = Outcome()
+
+
+def oom(phase: Phase, cost: float, longest: int, rows: int) -> Outcome:
+    return Outcome("oom", phase, cost=cost, longest=longest, rows=rows)
+
+
+def rule(outcomes: list[Outcome], **kwargs: object) -> object:
     options: dict[str, object] = dict(
         epoch=1, step=7, mode="split", max_tokens=1000.0, factor=0.5, min_tokens=None, attempt=0
     )
     options.update(kwargs)
-    return next_event(rows, **options)  # type: ignore[arg-type]
+    return next_event(outcomes, **options)  # type: ignore[arg-type]
 
 
 def test_new_budget_is_factor_times_the_smaller_of_budget_and_failed_cost() -> None:
-    event = rule([[OOM, 1, 400.0, 40, 10], [OOM, 2, 600.0, 60, 10], [OK, 0, 0, 0, 0]])
+    event = rule([oom("forward", 400.0, 40, 10), oom("backward", 600.0, 60, 10), OK])
     assert event.new_max_tokens == 300.0  # 0.5 * min(1000, 600)
     assert (event.ranks, event.where, event.longest) == ((0, 1), ("forward", "backward"), 60)
-    assert rule([[OOM, 1, 5000.0, 500, 10]]).new_max_tokens == 500.0  # an oversize batch: the budget rules
+    oversize = rule([oom("forward", 5000.0, 500, 10)])
+    assert oversize.new_max_tokens == 500.0  # an oversize batch: the budget rules
 
 
 def test_single_sample_oom_raises_with_its_length() -> None:
     with pytest.raises(SampleTooLargeError, match="single sample of 300 tokens") as info:
-        rule([[OK, 0, 0, 0, 0], [OOM, 2, 300.0, 300, 1]])
+        rule([OK, oom("backward", 300.0, 300, 1)])
     assert (info.value.length, info.value.rank, info.value.step, info.value.max_tokens) == (300, 1, 7, 1000.0)
 
 
 def test_min_tokens_is_a_floor_then_an_error() -> None:
-    assert rule([[OOM, 1, 900.0, 90, 10]], min_tokens=600.0).new_max_tokens == 600.0
+    assert rule([oom("forward", 900.0, 90, 10)], min_tokens=600.0).new_max_tokens == 600.0
     with pytest.raises(SampleTooLargeError, match="already at min_tokens=600"):
-        rule([[OOM, 1, 500.0, 50, 10]], max_tokens=600.0, min_tokens=600.0)
+        rule([oom("forward", 500.0, 50, 10)], max_tokens=600.0, min_tokens=600.0)
+
+
+def test_outcomes_summed_over_ranks_give_every_rank_all_of_them() -> None:
+    outcomes = [OK, oom("backward", 123.5, 41, 3), Outcome("error", "forward")]
+    flags = [[True, False, False], [False, False, True], [False, False, False]]
+    summed = sum(pack(o, f, rank=r, world=3) for r, (o, f) in enumerate(zip(outcomes, flags, strict=True)))
+    assert unpack(summed, world=3) == (outcomes, [True, False, True])
+    assert pack(OK, [], rank=0, world=1).dtype == torch.float64
 
 
 # -- reading and splitting batches ------------------------------------------------------
@@ -167,4 +184,4 @@ def test_take_rows_keeps_the_batch_type() -> None:
     pair = (torch.arange(6).reshape(3, 2), torch.tensor([0, 1, 2]), "meta")
     assert take_rows(pair, inspect_batch(pair), np.array([2]), None)[1].tolist() == [2]
     with pytest.raises(ValueError, match="weight should be"):
-        split_batch(batch, inspect_batch(batch), CostModel(), 4.0, weight="rows")
+        Split(weight="rows")  # checked once, where the option is given

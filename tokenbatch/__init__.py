@@ -1,6 +1,6 @@
 """tokenbatch: length-aware dynamic batching under a token budget, with an OOM fallback."""
 
-from tokenbatch.budget_cache import BudgetCache, BudgetKey
+from tokenbatch.budget_cache import BudgetCache, BudgetKey, remember_budget
 from tokenbatch.cost import CostModel
 from tokenbatch.lengths import column_lengths, text_lengths
 from tokenbatch.oom import OOMEvent, OOMFallback, RankFailedError, SampleTooLargeError, is_oom
@@ -26,5 +26,6 @@ __all__ = [
     "column_lengths",
     "find_max_tokens",
     "is_oom",
+    "remember_budget",
     "text_lengths",
 ]

@@ -3,25 +3,35 @@
 A small JSON file (``$TOKENBATCH_CACHE``, else
 ``~/.cache/tokenbatch/budgets.json``) maps a key made of the model, the
 device and its memory, the dtype and the world size to the last budget that
-trained without running out of memory. The OOM fallback writes it after a
-budget change, the probe writes what it measured, and a training script reads
-it to pick its starting ``max_tokens``.
+trained without running out of memory. :func:`remember_budget` starts an OOM
+fallback from it and writes it after each budget change, the probe writes
+what it measured, and a training script may read it to pick its starting
+``max_tokens``.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import math
 import os
 import platform
 import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from tokenbatch import _checks, distributed
+from tokenbatch.plan import OversizeSampleError
+
+if TYPE_CHECKING:
+    from tokenbatch.oom import OOMFallback
+
+# The guard's logger: remembering was the guard's job, and its messages keep their place.
+logger = logging.getLogger("tokenbatch.oom")
 
 
 def default_path() -> Path:
@@ -128,3 +138,54 @@ class BudgetCache:
         with tempfile.NamedTemporaryFile("w", dir=self.path.parent, delete=False, suffix=".tmp") as tmp:
             json.dump(data, tmp, indent=2, sort_keys=True)
         os.replace(tmp.name, self.path)
+
+
+def remember_budget(fallback: OOMFallback, key: BudgetKey, cache: BudgetCache | None = None) -> None:
+    """Start ``fallback`` from the budget remembered for ``key``, and remember each budget that fits.
+
+    Call it on every rank, right after making the fallback: the ranks agree
+    on the smallest cached budget (ranks on other machines may read other
+    files) in one all-reduce, and the fallback starts from it if it is
+    smaller than the budget in force. After each step that trained under a
+    new budget, the main process writes it to ``cache``; a cache that cannot
+    be written is a warning, never a stop.
+
+    Args:
+        fallback: the :class:`~tokenbatch.OOMFallback` guarding training.
+        key: what the budget depends on (:meth:`BudgetKey.for_device`).
+        cache: the cache file (default ``BudgetCache()``).
+
+    Example:
+        >>> import tempfile, pathlib, torch
+        >>> from tokenbatch import OOMFallback, TokenBudgetBatchSampler
+        >>> cache = BudgetCache(pathlib.Path(tempfile.mkdtemp()) / "budgets.json")
+        >>> key = BudgetKey("tiny", "cpu:x86_64", 2**34, "float32", 1)
+        >>> cache.put(key, 8, source="oom")
+        >>> fallback = OOMFallback(TokenBudgetBatchSampler([4] * 12, max_tokens=16), torch.nn.Linear(4, 1))
+        >>> remember_budget(fallback, key, cache=cache)
+        >>> fallback.max_tokens
+        8.0
+    """
+    store = cache if cache is not None else BudgetCache()
+    entry = store.get(key)
+    mine = float(entry["max_tokens"]) if entry is not None else math.inf
+    cached = -distributed.all_reduce_max([-mine], device=distributed.collective_device())[0]
+    if cached < fallback.max_tokens:
+        try:
+            fallback.start_from(cached)
+        except OversizeSampleError as error:
+            logger.warning("not starting from the cached max_tokens=%g for %s: %s", cached, key, error)
+        else:
+            logger.info("starting from max_tokens=%g remembered for %s", cached, key)
+
+    def save(fallback: OOMFallback) -> None:
+        if distributed.rank() != 0:
+            return
+        try:
+            store.put(key, fallback.max_tokens, source="oom", mode=fallback.mode)
+        except (OSError, ValueError) as error:  # a cache is a convenience: never stop training for it
+            logger.warning(
+                "could not remember max_tokens=%g in %s: %s", fallback.max_tokens, store.path, error
+            )
+
+    fallback.add_listener(save)

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tokenbatch.oom import OOMFallback
+from tokenbatch.oom import Halve, OOMFallback, Split
 from tokenbatch.sampler import TokenBudgetBatchSampler
 
 logger = logging.getLogger("tokenbatch.integrations.transformers")
@@ -57,16 +57,17 @@ def make_fallback(
     trainer: Any, sampler: TokenBudgetBatchSampler, model: nn.Module, state: dict[str, Any] | None
 ) -> OOMFallback:
     """The trainer's fallback for ``model`` (as Trainer wrapped it), resumed from ``state`` if given."""
+    pad_token_id = getattr(trainer.processing_class, "pad_token_id", None)
     fallback = OOMFallback(
         sampler,
         model,
         accelerator=SyncEveryStep(trainer.accelerator),
-        mode=trainer.oom_mode,
+        # Split: shares that make the micro-batch losses add up to the batch loss (see guarded_step).
+        mode=Split(weight=lambda piece: max(labelled_items(trainer, piece), 1e-12), pad_token_id=pad_token_id)
+        if trainer.oom_mode == "split"
+        else Halve(pad_token_id=pad_token_id),
         factor=trainer.oom_factor,
         min_tokens=trainer.min_tokens,
-        # Shares that make the micro-batch losses add up to the batch loss (see guarded_step).
-        weight=lambda piece: max(labelled_items(trainer, piece), 1e-12),
-        pad_token_id=getattr(trainer.processing_class, "pad_token_id", None),
     )
     if state:
         fallback.load_state_dict(state)

@@ -20,6 +20,9 @@ import torch
 
 from tokenbatch.cost import CostModel
 
+Piece = tuple[Any, float, np.ndarray]
+"""A micro-batch, its loss weight, and its rows in the batch."""
+
 
 @dataclass(frozen=True)
 class BatchShape:
@@ -164,14 +167,15 @@ def split_batch(
     *,
     weight: str | Callable[[Any], float] = "samples",
     trim: bool = True,
-) -> list[tuple[Any, float, np.ndarray]]:
+) -> list[Piece]:
     """``(micro_batch, loss_weight, rows)`` for each micro-batch; the weights sum to 1.
 
     Args:
         weight: ``"samples"`` (each micro-batch's share of the rows, for a loss
             averaged over samples), ``"tokens"`` (its share of real tokens, for
             a loss averaged over tokens), or a function of a micro-batch that
-            returns its share's numerator (for example its count of labelled tokens).
+            returns its share's numerator (for example its count of labelled tokens);
+            :class:`~tokenbatch.oom.Split` has checked it.
         trim: cut each micro-batch to its longest row when the batch is
             padded on the right.
     """
@@ -182,14 +186,12 @@ def split_batch(
         if trim and shape.right_padded:
             width = min(shape.width, int(cost.padded_length(int(shape.lengths[rows].max()))))
         pieces.append((take_rows(batch, shape, rows, width), rows))
-    if weight == "samples":
-        shares = [float(len(rows)) for _, rows in pieces]
+    if callable(weight):
+        shares = [float(weight(piece)) for piece, _ in pieces]
     elif weight == "tokens":
         shares = [float(shape.lengths[rows].sum()) for _, rows in pieces]
-    elif callable(weight):
-        shares = [float(weight(piece)) for piece, _ in pieces]
-    else:
-        raise ValueError(f"weight should be 'samples', 'tokens' or a function, but got weight={weight!r}")
+    else:  # "samples"
+        shares = [float(len(rows)) for _, rows in pieces]
     total = sum(shares)
     if total <= 0:
         raise ValueError(

@@ -1,18 +1,8 @@
-"""Surviving out-of-memory errors in training: shrink the budget and carry on, on every rank.
-
-:class:`OOMFallback` guards the forward and backward pass of each training
-step. Ranks never synchronise inside a pass that can fail: forward and
-backward run under DDP's ``no_sync()``, then one small all-reduce tells every
-rank how every other rank's step went (ok, out of memory, or another error),
-and only when all succeeded does one bucketed all-reduce average the
-gradients. A rank that fails therefore never leaves another waiting in a
-collective it will not reach.
-"""
+"""OOMFallback: the guard around a training step's forward and backward, and its step protocol."""
 
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
@@ -21,28 +11,35 @@ from torch import nn
 
 from tokenbatch import _checks, distributed
 from tokenbatch._epoch import EpochCursor
-from tokenbatch._oom_types import (
-    ERROR,
-    OK,
-    OOM,
-    OOMEvent,
-    RankFailedError,
-    SampleTooLargeError,
-    free_memory,
-    is_oom,
-    next_event,
-)
-from tokenbatch._runner import StepRunner, StepWork, raise_on_every_rank
-from tokenbatch.budget_cache import BudgetCache, BudgetKey
+from tokenbatch.oom._attempt import ForwardBackward, StepWork
+from tokenbatch.oom._detect import free_memory
+from tokenbatch.oom._events import OOMEvent, SampleTooLargeError
+from tokenbatch.oom._outcome import Outcome, next_event, raise_on_every_rank, share
+from tokenbatch.oom._strategies import Strategy, as_strategy
 from tokenbatch.plan import OversizeSampleError
 from tokenbatch.sampler import TokenBudgetBatchSampler
 
-__all__ = ["OOMEvent", "OOMFallback", "RankFailedError", "SampleTooLargeError", "is_oom"]
-
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("tokenbatch.oom")
 
 T = TypeVar("T")
-MODES = ("split", "halve")
+
+# Options OOMFallback took before its strategies and budget remembering moved out, and where they went.
+_MOVED = {
+    "weight": "pass mode=tokenbatch.oom.Split(weight=...)",
+    "pad_token_id": "pass mode=tokenbatch.oom.Split(pad_token_id=...) (or Halve(pad_token_id=...))",
+    "trim_padding": "pass mode=tokenbatch.oom.Split(trim_padding=...)",
+    "remember": "call tokenbatch.remember_budget(fallback, key) after making the fallback",
+    "cache": "call tokenbatch.remember_budget(fallback, key, cache=cache) after making the fallback",
+}
+
+
+def _moved_option(options: dict[str, Any]) -> TypeError:
+    name, value = next(iter(options.items()))
+    if name not in _MOVED:
+        return TypeError(f"OOMFallback() got an unexpected keyword argument {name!r}")
+    return TypeError(
+        f"{name} is no longer an OOMFallback option: {_MOVED[name]} instead, but got {name}={value!r:.80}"
+    )
 
 
 class OOMFallback:
@@ -57,28 +54,26 @@ class OOMFallback:
         mode: ``"split"`` keeps each planned batch and optimizer step and runs an
             over-budget batch as micro-batches that fit a smaller budget, with
             gradients accumulated; ``"halve"`` shrinks the sampler's budget,
-            re-plans the rest of the epoch and skips the failed step.
+            re-plans the rest of the epoch and skips the failed step. A
+            :class:`~tokenbatch.oom.Split` (to set its options) or
+            :class:`~tokenbatch.oom.Halve` may be passed instead of the name.
         factor: the budget multiplier per out-of-memory event, in (0, 1). The
             new budget is ``factor * min(budget, cost of the largest batch that failed)``.
         min_tokens: the floor; an out-of-memory error at the floor raises
             :class:`SampleTooLargeError` instead of trying again.
-        weight: the micro-batch loss weights in split mode: ``"samples"`` (for a
-            loss averaged over samples), ``"tokens"`` (averaged over real
-            tokens), or a function of a micro-batch returning its count.
-        pad_token_id: read row lengths from ``input_ids`` when batches have no ``attention_mask``.
-        trim_padding: cut each micro-batch to its longest row (right-padded batches).
-        remember: a :class:`~tokenbatch.budget_cache.BudgetKey`: start from the
-            budget cached for it if smaller, and cache the budget after each change.
-        cache: the cache file for ``remember`` (default ``BudgetCache()``).
 
     Works with a plain module and with DDP (as ``accelerator.prepare`` wraps
     it); not with FSDP or DeepSpeed, which shard gradients themselves. The
-    guard owns gradient synchronisation: it runs DDP under ``no_sync()`` and
-    averages gradients itself once every rank has succeeded. A failed step's
-    gradients are set to None, so zero them after every optimizer step (no
-    accumulation across ``backward`` calls). Split mode matches an unsplit
-    run up to floating point when the model is deterministic (no dropout);
-    with dropout, micro-batches draw different masks.
+    guard owns gradient synchronisation (see :mod:`tokenbatch.oom`): it runs
+    DDP under ``no_sync()`` and averages gradients itself once every rank has
+    said its step succeeded. A failed step's gradients are set to None, so
+    zero them after every optimizer step (no accumulation across ``backward``
+    calls). Split mode matches an unsplit run up to floating point when the
+    model is deterministic (no dropout); with dropout, micro-batches draw
+    different masks.
+
+    To start from the budget an earlier run ended with, and remember each
+    new one, see :func:`tokenbatch.remember_budget`.
 
     The training loop keeps its usual shape::
 
@@ -112,15 +107,13 @@ class OOMFallback:
         model: nn.Module,
         *,
         accelerator: Any = None,
-        mode: str = "split",
+        mode: str | Strategy = "split",
         factor: float = 0.5,
         min_tokens: float | None = None,
-        weight: str | Callable[[Any], float] = "samples",
-        pad_token_id: int | None = None,
-        trim_padding: bool = True,
-        remember: BudgetKey | None = None,
-        cache: BudgetCache | None = None,
+        **moved: Any,
     ) -> None:
+        if moved:
+            raise _moved_option(moved)
         if not isinstance(sampler, TokenBudgetBatchSampler):
             raise TypeError(
                 f"sampler should be the tokenbatch.TokenBudgetBatchSampler feeding the DataLoader, "
@@ -133,37 +126,29 @@ class OOMFallback:
         self.sampler = sampler
         self.model = model
         self.accelerator = accelerator
-        self.mode = _checks.one_of("mode", mode, MODES)
+        self._strategy = as_strategy(mode)
         self.factor = _checks.positive_number("factor", factor)
         if self.factor >= 1:
             raise ValueError(f"factor should be below 1 (the budget must shrink), but got factor={factor!r}")
         self.min_tokens = None if min_tokens is None else _checks.positive_number("min_tokens", min_tokens)
-        if not (weight in ("samples", "tokens") or callable(weight)):
-            raise ValueError(f"weight should be 'samples', 'tokens' or a function, but got weight={weight!r}")
-        self.weight = weight
         self.events: list[OOMEvent] = []
-        self._runner = StepRunner(
-            model,
-            accelerator,
-            cost=sampler.cost,
-            weight=weight,
-            pad_token_id=pad_token_id,
-            trim=bool(trim_padding),
-        )
+        self._passes = ForwardBackward(model, accelerator, cost=sampler.cost, strategy=self._strategy)
         self._micro_tokens = sampler.max_tokens  # split mode: the budget one forward/backward must fit
         self._cursor = EpochCursor(sampler)
-        self.remember = remember
-        self.cache = cache if cache is not None or remember is None else BudgetCache()
-        self._cache_pending = False
-        if remember is not None:
-            self._start_from_cache(remember)
+        self._listeners: list[Callable[[OOMFallback], None]] = []
+        self._unreported = False  # events recorded since the listeners last ran
 
     # -- what it exposes -----------------------------------------------------------
 
     @property
+    def mode(self) -> str:
+        """``"split"`` or ``"halve"``."""
+        return self._strategy.name
+
+    @property
     def max_tokens(self) -> float:
         """The budget in force: the sampler's in halve mode, the micro-batch budget in split mode."""
-        return self.sampler.max_tokens if self.mode == "halve" else self._micro_tokens
+        return self._micro_tokens if self._strategy.keeps_step else self.sampler.max_tokens
 
     @property
     def steps_done(self) -> int:
@@ -192,11 +177,38 @@ class OOMFallback:
                 f"state should be an OOMFallback.state_dict() (version 1, keys {sorted(expected)}), "
                 f"but got {state!r:.200}"
             )
-        if self.mode == "split":
+        if self._strategy.keeps_step:
             self._micro_tokens = min(
                 self.sampler.max_tokens, _checks.positive_number("max_tokens", state["max_tokens"])
             )
         self.events = [OOMEvent.from_dict(e) for e in state["events"]]
+
+    def start_from(self, max_tokens: float) -> bool:
+        """Lower the budget in force to ``max_tokens`` before training (a budget known to fit).
+
+        Split mode starts its micro-batches there; halve mode re-plans the
+        rest of the epoch under it. Call it on every rank with the same value.
+
+        Returns:
+            False, changing nothing, when the budget in force is already at most ``max_tokens``.
+
+        Raises:
+            OversizeSampleError: halve mode, and a remaining sample alone exceeds
+                ``max_tokens``; nothing is changed.
+        """
+        max_tokens = _checks.positive_number("max_tokens", max_tokens)
+        if max_tokens >= self.max_tokens:
+            return False
+        self._lower(max_tokens, steps_done=self._cursor.steps_done)
+        return True
+
+    def add_listener(self, callback: Callable[[OOMFallback], None]) -> None:
+        """Call ``callback(fallback)``, on every rank, after each step that trained following new events.
+
+        That is once the new budget has been shown to fit: the place to
+        record it (what :func:`tokenbatch.remember_budget` does).
+        """
+        self._listeners.append(callback)
 
     # -- the loop ------------------------------------------------------------------
 
@@ -229,34 +241,28 @@ class OOMFallback:
                 (that rank re-raises its own error unchanged).
         """
         step = self._cursor.current_step()
-        runner, ddp = self._runner, self._runner.ddp
-        world = distributed.world_size() if distributed.is_initialized() else 1
-        sync = ddp is not None and world > 1 and bool(getattr(self.accelerator, "sync_gradients", True))
-        params = runner.params()
+        passes = self._passes
+        params = passes.params()
         had_grads = any(p.grad is not None for p in params)
-        forward_sync = ddp.require_forward_param_sync if ddp is not None else False
-        if ddp is not None and world > 1:
-            distributed.broadcast_module_buffers(ddp)  # before anything that can fail
-        try:
+        with passes.ddp.step(self.accelerator) as sync:
             work = StepWork(batch)
             attempt = 0
             while True:
-                row, error = [OK, 0.0, 0.0, 0.0, 0.0], None
+                outcome, error = Outcome(), None
                 if work.loss is None:
-                    split = self.mode == "split" and self._micro_tokens < self.sampler.max_tokens
-                    micro = self._micro_tokens if split else None
-                    row, error = runner.attempt(work, loss_fn, params, micro_tokens=micro, sync=sync)
-                    if row[0] == OOM:
-                        runner.drop_grads(params, had_grads)
+                    micro = self._strategy.split_budget(self._micro_tokens, self.sampler.max_tokens)
+                    outcome, error = passes.attempt(work, loss_fn, params, micro_tokens=micro, sync=sync)
+                    if outcome.status == "oom":
+                        passes.drop_grads(params, had_grads)
                         free_memory()
                 flags = [p.grad is not None for p in params] if sync else []
-                rows, any_grad = distributed.share_rows(row, flags)
-                if any(r[0] == ERROR for r in rows):
-                    raise_on_every_rank(rows, error, f"epoch {self.sampler.epoch}, step {step}")
-                if not any(r[0] == OOM for r in rows):
+                outcomes, any_grad = share(outcome, flags)
+                if any(o.status == "error" for o in outcomes):
+                    raise_on_every_rank(outcomes, error, f"epoch {self.sampler.epoch}, step {step}")
+                if not any(o.status == "oom" for o in outcomes):
                     break
                 event = next_event(
-                    rows,
+                    outcomes,
                     epoch=self.sampler.epoch,
                     step=step,
                     mode=self.mode,
@@ -266,30 +272,37 @@ class OOMFallback:
                     attempt=attempt,
                 )
                 self._record(event)
-                if self.mode == "halve":
-                    runner.drop_grads(params, had_grads)
+                if not self._strategy.keeps_step:
+                    passes.drop_grads(params, had_grads)  # the step is dropped on every rank
                     self._replan(event)
                     return None
-                self._micro_tokens = event.new_max_tokens
+                self._micro_tokens = event.new_max_tokens  # and try again, in smaller micro-batches
                 attempt += 1
             if work.average is not None:
                 work.average.average_into_grads(any_grad)
-        finally:
-            if ddp is not None:
-                ddp.require_forward_param_sync = forward_sync
         self._cursor.steps_done = step + 1
-        self._save_budget()
+        if self._unreported:
+            self._unreported = False
+            for listener in self._listeners:
+                listener(self)
         return work.loss
 
     def _record(self, event: OOMEvent) -> None:
         self.events.append(event)
-        self._cache_pending = True
+        self._unreported = True
         if distributed.rank() == 0:
             logger.warning("%s", event)
 
+    def _lower(self, max_tokens: float, *, steps_done: int) -> None:
+        """Put ``max_tokens`` in force: as the micro-batch budget, or by re-planning the rest of the epoch."""
+        if self._strategy.keeps_step:
+            self._micro_tokens = max_tokens
+        else:
+            self.sampler.replan(max_tokens, steps_done=steps_done)
+
     def _replan(self, event: OOMEvent) -> None:
         try:
-            self.sampler.replan(event.new_max_tokens, steps_done=event.step)
+            self._lower(event.new_max_tokens, steps_done=event.step)
         except OversizeSampleError as error:
             raise SampleTooLargeError(
                 f"out of memory at epoch {event.epoch}, step {event.step}; the rest of the epoch cannot "
@@ -300,36 +313,3 @@ class OOMFallback:
                 rank=event.ranks[0],
             ) from error
         self._cursor.restart_pending = True
-
-    # -- remembering the budget ----------------------------------------------------------
-
-    def _start_from_cache(self, key: BudgetKey) -> None:
-        assert self.cache is not None
-        entry = self.cache.get(key)
-        mine = float(entry["max_tokens"]) if entry is not None else math.inf
-        # Ranks on other machines may read other files: all take the smallest, so plans agree.
-        cached = -distributed.all_reduce_max([-mine], device=distributed.collective_device())[0]
-        if cached >= self.max_tokens:
-            return
-        if self.mode == "split":
-            self._micro_tokens = cached
-        else:
-            try:
-                self.sampler.replan(cached, steps_done=self._cursor.steps_done)
-            except OversizeSampleError as error:
-                logger.warning("not starting from the cached max_tokens=%g for %s: %s", cached, key, error)
-                return
-        logger.info("starting from max_tokens=%g remembered for %s", cached, key)
-
-    def _save_budget(self) -> None:
-        """Cache the budget once a step has trained under it (main process only)."""
-        if not self._cache_pending:
-            return
-        self._cache_pending = False
-        if self.remember is not None and self.cache is not None and distributed.rank() == 0:
-            try:
-                self.cache.put(self.remember, self.max_tokens, source="oom", mode=self.mode)
-            except (OSError, ValueError) as error:  # a cache is a convenience: never stop training for it
-                logger.warning(
-                    "could not remember max_tokens=%g in %s: %s", self.max_tokens, self.cache.path, error
-                )

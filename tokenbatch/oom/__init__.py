@@ -1,0 +1,41 @@
+"""Surviving out-of-memory errors in training: shrink the budget and carry on, on every rank.
+
+:class:`OOMFallback` guards the forward and backward pass of each training
+step; :class:`Split` and :class:`Halve` say what it does with a step that
+ran out of memory.
+
+Ranks never synchronise inside a pass that can fail: forward and backward
+run under DDP's ``no_sync()``, then one small all-reduce tells every rank
+how every other rank's step went (ok, out of memory, or another error), and
+only when all succeeded does one bucketed all-reduce average the gradients.
+A rank that fails therefore never leaves another waiting in a collective it
+will not reach.
+
+Inside the package:
+
+- ``_guard``: :class:`OOMFallback`, the budgets and the step protocol;
+- ``_strategies``: :class:`Split` and :class:`Halve`;
+- ``_attempt``: one attempt of a step on this rank, with no collective;
+- ``_outcome``: how each rank's attempt went, shared in one all-reduce, and
+  the rule that derives the next :class:`OOMEvent` from it;
+- ``_ddp``: the stand-in for DDP's reducer (``no_sync``, buffer broadcast,
+  gradient averaging);
+- ``_split``: reading a collated batch and cutting it into micro-batches;
+- ``_detect`` and ``_events``: :func:`is_oom`, :func:`free_memory`, the event and the errors.
+"""
+
+from tokenbatch.oom._detect import free_memory, is_oom
+from tokenbatch.oom._events import OOMEvent, RankFailedError, SampleTooLargeError
+from tokenbatch.oom._guard import OOMFallback
+from tokenbatch.oom._strategies import Halve, Split
+
+__all__ = [
+    "Halve",
+    "OOMEvent",
+    "OOMFallback",
+    "RankFailedError",
+    "SampleTooLargeError",
+    "Split",
+    "free_memory",
+    "is_oom",
+]

@@ -1,0 +1,78 @@
+"""What the OOM guard records and raises: :class:`OOMEvent` and its two errors."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+
+class SampleTooLargeError(RuntimeError):
+    """Out of memory with nothing smaller left to try: one sample alone, or the budget at ``min_tokens``.
+
+    Raised on every rank. ``length`` is the longest sequence that failed,
+    ``max_tokens`` the budget it failed under, ``step`` the step of the
+    epoch and ``rank`` the rank it failed on.
+    """
+
+    def __init__(self, message: str, *, length: int, max_tokens: float, step: int, rank: int) -> None:
+        super().__init__(message)
+        self.length = length
+        self.max_tokens = max_tokens
+        self.step = step
+        self.rank = rank
+
+
+class RankFailedError(RuntimeError):
+    """Another rank raised an error that is not out-of-memory; this rank stops instead of waiting.
+
+    ``rank`` is the rank that failed and ``error`` its error as ``"Type: message"``.
+    """
+
+    def __init__(self, message: str, *, rank: int, error: str) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.error = error
+
+
+@dataclass(frozen=True)
+class OOMEvent:
+    """One out-of-memory event, as every rank agreed on it."""
+
+    epoch: int
+    step: int
+    """The step of the epoch whose batch ran out of memory."""
+    mode: str
+    """``"split"`` (micro-batch budget shrunk) or ``"halve"`` (sampler re-planned)."""
+    old_max_tokens: float
+    new_max_tokens: float
+    longest: int
+    """The longest sequence in the batch (or micro-batch) that ran out of memory."""
+    ranks: tuple[int, ...]
+    """The ranks that ran out of memory."""
+    where: tuple[str, ...]
+    """For each of ``ranks``: ``"forward"`` or ``"backward"``."""
+    attempt: int = 0
+    """0 for the step's first try; 1, 2, ... for retries of smaller micro-batches."""
+
+    def __str__(self) -> str:
+        places = ", ".join(f"rank {r} ({w})" for r, w in zip(self.ranks, self.where, strict=True))
+        retry = f" (retry {self.attempt})" if self.attempt else ""
+        action = "micro-batches" if self.mode == "split" else "re-planned the epoch"
+        return (
+            f"out of memory at epoch {self.epoch}, step {self.step}{retry} on {places}, longest sequence "
+            f"{self.longest} tokens: max_tokens {self.old_max_tokens:g} -> {self.new_max_tokens:g} ({action})"
+        )
+
+    def replace(self, **changes: Any) -> OOMEvent:
+        return dataclasses.replace(self, **changes)
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> OOMEvent:
+        values = dict(data)
+        values["ranks"] = tuple(values["ranks"])
+        values["where"] = tuple(values["where"])
+        return cls(**values)

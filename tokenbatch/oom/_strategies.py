@@ -1,0 +1,115 @@
+"""What the guard does with a step that ran out of memory: split it, or halve the budget and re-plan.
+
+A strategy holds its options, checked once when it is made, and answers the
+guard's questions: how to read a batch's row lengths, whether to cut this
+attempt into micro-batches, and whether the failed step is kept (retried) or
+dropped. The budgets themselves are the guard's state, so one strategy object
+may serve several guards.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from tokenbatch.cost import CostModel
+from tokenbatch.oom._split import BatchShape, Piece, inspect_batch, split_batch
+
+MODES = ("split", "halve")
+
+
+class Strategy:
+    """The base of :class:`Split` and :class:`Halve`."""
+
+    name: ClassVar[str]
+    """``"split"`` or ``"halve"``: the guard's ``mode``."""
+    keeps_step: ClassVar[bool]
+    """True: the failed step is retried under the new budget; False: it is dropped."""
+    pad_token_id: int | None
+
+    def read(self, batch: Any) -> BatchShape:
+        """The batch's rows and their real lengths (what ran out of memory, and what to split)."""
+        return inspect_batch(batch, self.pad_token_id)
+
+    def split_budget(self, micro_tokens: float, sampler_tokens: float) -> float | None:
+        """The budget to cut an attempt's batch to, or None to run it whole."""
+        return None
+
+    def split(self, batch: Any, shape: BatchShape, cost: CostModel, budget: float) -> list[Piece]:
+        raise TypeError(f"the {self.name!r} strategy does not split batches")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Split(Strategy):
+    """On out-of-memory, keep the step: run its batch as micro-batches that fit a smaller budget.
+
+    The planned batches and optimizer steps stay as they are; gradients are
+    accumulated over the micro-batches, weighted so that they add up to the
+    whole batch's. Retries shrink the micro-batch budget until one fits.
+
+    Args:
+        weight: the micro-batch loss weights: ``"samples"`` (for a loss
+            averaged over samples), ``"tokens"`` (averaged over real tokens),
+            or a function of a micro-batch returning its count.
+        pad_token_id: read row lengths from ``input_ids`` when batches have no ``attention_mask``.
+        trim_padding: cut each micro-batch to its longest row (right-padded batches).
+
+    Example:
+        >>> import torch
+        >>> from tokenbatch import OOMFallback, TokenBudgetBatchSampler
+        >>> sampler = TokenBudgetBatchSampler([4] * 12, max_tokens=16, seed=0)
+        >>> fallback = OOMFallback(sampler, torch.nn.Linear(4, 1), mode=Split(weight="tokens"))
+        >>> fallback.mode
+        'split'
+    """
+
+    name: ClassVar[str] = "split"
+    keeps_step: ClassVar[bool] = True
+    weight: str | Callable[[Any], float] = "samples"
+    pad_token_id: int | None = None
+    trim_padding: bool = True
+
+    def __post_init__(self) -> None:
+        if not (self.weight in ("samples", "tokens") or callable(self.weight)):
+            raise ValueError(
+                f"weight should be 'samples', 'tokens' or a function, but got weight={self.weight!r}"
+            )
+        object.__setattr__(self, "trim_padding", bool(self.trim_padding))
+
+    def split_budget(self, micro_tokens: float, sampler_tokens: float) -> float | None:
+        # Until a first out-of-memory error the batches run as planned, oversize ones included.
+        return micro_tokens if micro_tokens < sampler_tokens else None
+
+    def split(self, batch: Any, shape: BatchShape, cost: CostModel, budget: float) -> list[Piece]:
+        return split_batch(batch, shape, cost, budget, weight=self.weight, trim=self.trim_padding)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Halve(Strategy):
+    """On out-of-memory, drop the step: shrink the sampler's budget and re-plan the rest of the epoch.
+
+    The semantics of accelerate's ``find_executable_batch_size``, without
+    the restart: the failed batch's samples are planned again, under the new
+    budget, with the rest of the epoch.
+
+    Args:
+        pad_token_id: read row lengths from ``input_ids`` when batches have no
+            ``attention_mask`` (the failed batch's cost and longest sequence).
+    """
+
+    name: ClassVar[str] = "halve"
+    keeps_step: ClassVar[bool] = False
+    pad_token_id: int | None = None
+
+
+def as_strategy(mode: str | Strategy) -> Strategy:
+    """The strategy for ``mode``: ``"split"``, ``"halve"``, or a :class:`Split` or :class:`Halve`."""
+    if isinstance(mode, Strategy):
+        return mode
+    if mode not in MODES:
+        raise ValueError(
+            f"mode should be one of 'split', 'halve' (or a tokenbatch.oom.Split or Halve), "
+            f"but got mode={mode!r}"
+        )
+    return Split() if mode == "split" else Halve()
