@@ -27,9 +27,10 @@ Inside the package:
 from tokenbatch.oom._detect import free_memory, is_oom
 from tokenbatch.oom._events import OOMEvent, RankFailedError, SampleTooLargeError
 from tokenbatch.oom._guard import OOMFallback
-from tokenbatch.oom._strategies import Halve, Split
+from tokenbatch.oom._strategies import MODES, Halve, Split
 
 __all__ = [
+    "MODES",
     "Halve",
     "OOMEvent",
     "OOMFallback",

@@ -127,9 +127,7 @@ class OOMFallback:
         self.model = model
         self.accelerator = accelerator
         self._strategy = as_strategy(mode)
-        self.factor = _checks.positive_number("factor", factor)
-        if self.factor >= 1:
-            raise ValueError(f"factor should be below 1 (the budget must shrink), but got factor={factor!r}")
+        self.factor = _checks.shrink_factor("factor", factor)
         self.min_tokens = None if min_tokens is None else _checks.positive_number("min_tokens", min_tokens)
         self.events: list[OOMEvent] = []
         self._passes = ForwardBackward(model, accelerator, cost=sampler.cost, strategy=self._strategy)
