@@ -125,3 +125,14 @@ def test_plan_errors_name_the_problem(capsys: pytest.CaptureFixture[str], tmp_pa
     error = fail(capsys, "plan", "--data", str(unreadable), "--tokenizer", "x", "--max-tokens", "9")
     assert "could not be read as json" in error
     assert "--tokenizer" in fail(capsys, "plan", "--data", str(unreadable), "--max-tokens", "9")
+
+
+@pytest.mark.timeout(60)
+def test_plan_with_a_huge_budget_finishes(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """Issue 11 item 6: ``tokenbatch plan --max-tokens 1e30`` hung in the count loop."""
+    path = tmp_path / "lengths.txt"
+    path.write_text("5 7 300 12 40 41 2")
+    report = run_json(capsys, "plan", "--lengths", str(path), "--max-tokens", "1e30", "--compare")
+    assert report["plan"]["batches"] == 1 and report["plan"]["batch_size"]["max"] == 7
+    assert report["compare"]["fixed_batch_size"] >= 7
+    assert report["compare"]["random_fixed"]["steps"] == report["compare"]["length_grouped"]["steps"] == 1

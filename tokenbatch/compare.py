@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from tokenbatch.cost import CostModel
+from tokenbatch.plan import fit_count
 
 Batching = tuple[np.ndarray, np.ndarray]
 
@@ -64,9 +65,8 @@ def fixed_batch_size(lengths: np.ndarray, cost: CostModel, budget: float) -> int
         188
     """
     unit = float(cost.sample_cost(int(lengths.max())))
-    size = int(budget // unit)
-    while size > 0 and size * unit > budget:  # float division can land one too high
-        size -= 1
+    # Bounded by what a numpy index holds, so a huge budget still cuts batches (one of everything).
+    size = fit_count(unit, budget, int(np.iinfo(np.int64).max))
     if size == 0:
         raise ValueError(
             f"the longest sample (length {int(lengths.max())}) costs {unit:g} alone, more than "

@@ -107,16 +107,39 @@ def oversize_error(
     )
 
 
-def _fit_count(unit: float, budget: float, max_batch_size: int | None) -> int:
-    """The most samples of per-sample cost ``unit`` that fit ``budget``."""
-    count = int(budget // unit)
-    # Float division can land one off either way; settle it with the same
-    # product the cost model computes.
-    while count > 0 and count * unit > budget:
-        count -= 1
-    while (count + 1) * unit <= budget:
-        count += 1
-    return count if max_batch_size is None else min(count, max_batch_size)
+def fit_count(unit: float, budget: float, most: int) -> int:
+    """How many samples that each cost ``unit`` fit ``budget`` together, at most ``most``.
+
+    The largest ``count <= most`` with ``count * unit <= budget``, the product
+    taken in floats as the cost model takes it. ``most`` (a batch-size cap, or
+    the samples there are) keeps the answer and the work finite for any finite
+    budget: above 2**53 one more sample no longer changes the float product,
+    so counting up one at a time would never stop.
+
+    Example:
+        >>> fit_count(3.0, 10.0, 100), fit_count(3.0, 10.0, 2), fit_count(2.0, 1e300, 50)
+        (3, 2, 50)
+    """
+
+    def fits(count: int) -> bool:
+        return count * unit <= budget
+
+    # The quotient is right or one off; the product settles it. `not <` also catches an overflow to inf.
+    guess = most if not budget / unit < most else min(int(budget // unit), most)
+    if fits(guess):  # gallop up from a count that fits to one that does not (or past `most`)
+        low, step = guess, 1
+        while low + step <= most and fits(low + step):
+            low, step = low + step, 2 * step
+        high = min(low + step, most + 1)
+    else:  # gallop down from a count that does not fit to one that does (0 always does)
+        high, step = guess, 1
+        while high - step > 0 and not fits(high - step):
+            high, step = high - step, 2 * step
+        low = max(high - step, 0)
+    while high - low > 1:  # `low` fits, `high` does not or is past `most`
+        middle = (low + high) // 2
+        low, high = (middle, high) if fits(middle) else (low, middle)
+    return low
 
 
 def _round_to_multiple(count: int, multiple: int) -> int:
@@ -154,11 +177,15 @@ def pack_sorted(
     start = 0
     run = 0
     limit = budget if first_budget is None else min(first_budget, budget)
+    # A batch never needs more than the n samples there are. Capping the count at
+    # n + batch_size_multiple (not n) keeps a count rounded to the multiple above
+    # n, so the batches are the ones an unbounded count makes.
+    most = n + batch_size_multiple if max_batch_size is None else min(max_batch_size, n + batch_size_multiple)
     while start < n:
         while run_ends[run] <= start:
             run += 1
         unit = float(unit_sorted[start])
-        room = _fit_count(unit, limit, max_batch_size)
+        room = fit_count(unit, limit, most)
         if room == 0:  # the first batch's share was too small for its first sample
             limit = budget
             continue
