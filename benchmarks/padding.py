@@ -33,6 +33,7 @@ from benchmarks import common
 from tokenbatch import CostModel, TokenBudgetBatchSampler
 from tokenbatch.compare import (
     Batching,
+    as_row,
     batch_costs,
     fixed_batch_size,
     length_grouped_batching,
@@ -176,7 +177,7 @@ def _summarise(
     epochs: list[Batching], lengths: np.ndarray, cost: CostModel, budget: float, num_replicas: int
 ) -> dict[str, float]:
     """Per-epoch statistics averaged over epochs, and repetition between consecutive epochs."""
-    stats = [measure(b, lengths, cost, budget, num_replicas).as_dict() for b in epochs]
+    stats = [as_row(measure(b, lengths, cost, budget, num_replicas)) for b in epochs]
     result = {key: float(np.mean([s[key] for s in stats])) for key in stats[0]}
     result["max_budget_use"] = max(s["max_budget_use"] for s in stats)
     result["repetition"] = float(

@@ -20,6 +20,7 @@ if str(REPO) not in sys.path:  # benchmarks/ is not part of the installed packag
 from benchmarks import common, gpu, padding  # noqa: E402
 from tokenbatch import CostModel, TokenBudgetBatchSampler  # noqa: E402
 from tokenbatch.compare import (  # noqa: E402
+    as_row,
     fixed_batch_size,
     from_batches,
     lower_bound_steps,
@@ -138,12 +139,14 @@ def test_measure_agrees_with_the_sampler_stats() -> None:
     sampler = TokenBudgetBatchSampler(lengths, 8192, cost=cost, seed=3)
     stats = sampler.stats()
     ours = measure((sampler.plan.order, sampler.plan.offsets), lengths, cost, 8192)
-    assert ours.efficiency == pytest.approx(stats.cost_efficiency)
-    assert ours.token_efficiency == pytest.approx(stats.padding_efficiency)
-    assert ours.mean_budget_use == pytest.approx(stats.mean_budget_use)
-    assert ours.steps == stats.num_steps
+    assert ours == stats  # one stats function: the same numbers, to the last bit
+    row = as_row(ours)
+    assert list(row) == ["efficiency", "token_efficiency", "steps", "steps_over_lower_bound",
+                         "mean_budget_use", "max_budget_use", "mean_batch_size", "step_balance"]  # fmt: skip
+    assert row["efficiency"] == stats.cost_efficiency and row["token_efficiency"] == stats.padding_efficiency
+    assert row["steps"] == stats.num_steps
     expected_bound = float(cost.sample_cost(lengths).sum()) / 8192
-    assert ours.steps_over_lower_bound == pytest.approx(stats.num_steps / expected_bound)
+    assert row["steps_over_lower_bound"] == pytest.approx(stats.num_steps / expected_bound)
     assert lower_bound_steps(lengths, cost, 8192, 2) == pytest.approx(expected_bound / 2)
 
 

@@ -125,3 +125,33 @@ def test_plan_errors_name_the_problem(capsys: pytest.CaptureFixture[str], tmp_pa
     error = fail(capsys, "plan", "--data", str(unreadable), "--tokenizer", "x", "--max-tokens", "9")
     assert "could not be read as json" in error
     assert "--tokenizer" in fail(capsys, "plan", "--data", str(unreadable), "--max-tokens", "9")
+
+
+@pytest.mark.timeout(60)
+def test_plan_with_a_huge_budget_finishes(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """Issue 11 item 6: ``tokenbatch plan --max-tokens 1e30`` hung in the count loop."""
+    path = tmp_path / "lengths.txt"
+    path.write_text("5 7 300 12 40 41 2")
+    report = run_json(capsys, "plan", "--lengths", str(path), "--max-tokens", "1e30", "--compare")
+    assert report["plan"]["batches"] == 1 and report["plan"]["batch_size"]["max"] == 7
+    assert report["compare"]["fixed_batch_size"] >= 7
+    assert report["compare"]["random_fixed"]["steps"] == report["compare"]["length_grouped"]["steps"] == 1
+
+
+def test_plan_prints_the_samplers_own_stats(
+    capsys: pytest.CaptureFixture[str], lengths_file: tuple[Path, np.ndarray]
+) -> None:
+    """One stats function: ``plan`` reports what ``sampler.stats()`` says, padding multiple included."""
+    from tokenbatch.compare import as_row
+
+    path, lengths = lengths_file
+    report = run_json(capsys, "plan", "--lengths", str(path), "--max-tokens", "4096",
+                      "--pad-to-multiple-of", "8", "--num-replicas", "3", "--seed", "5")  # fmt: skip
+    cost = CostModel(pad_to_multiple_of=8)
+    sampler = TokenBudgetBatchSampler(lengths, 4096, cost=cost, seed=5, num_replicas=3)
+    stats = sampler.stats()
+    plan = report["plan"]
+    assert {key: plan[key] for key in as_row(stats)} == as_row(stats)
+    padded = sum(len(b) * -(-int(lengths[b].max()) // 8) * 8 for b in sampler)
+    assert plan["token_efficiency"] == pytest.approx(lengths.sum() / padded)  # padded as the collator pads
+    assert (plan["batches"], plan["skipped"], plan["dropped"]) == (stats.num_batches, 0, 0)

@@ -6,7 +6,8 @@ from tokenbatch.lengths import column_lengths, text_lengths
 from tokenbatch.oom import OOMEvent, OOMFallback, RankFailedError, SampleTooLargeError, is_oom
 from tokenbatch.plan import OversizeSampleError
 from tokenbatch.probe import ProbeResult, find_max_tokens
-from tokenbatch.sampler import PlanStats, TokenBudgetBatchSampler
+from tokenbatch.sampler import TokenBudgetBatchSampler
+from tokenbatch.stats import PlanStats
 
 __version__ = "0.1.0"
 

@@ -4,20 +4,47 @@ A batching is ``(order, offsets)``, the layout of :class:`tokenbatch.plan.Plan`:
 batch ``b`` is ``order[offsets[b]:offsets[b + 1]]``. With ``W`` processes,
 consecutive runs of ``W`` batches form one global step (rank ``r`` takes
 batches ``r, r + W, ...``, as accelerate's ``BatchSamplerShard`` does).
-Everything is vectorised numpy. Used by ``tokenbatch plan --compare`` and
-the benchmarks.
+Everything is vectorised numpy, and measured by the one
+:func:`tokenbatch.stats.batch_stats` that ``sampler.stats()`` uses. Used by
+``tokenbatch plan --compare`` and the benchmarks.
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import asdict, dataclass
-
 import numpy as np
 
 from tokenbatch.cost import CostModel
+from tokenbatch.plan import Plan, fit_count
+from tokenbatch.stats import PlanStats, batch_stats, lower_bound_steps
+
+__all__ = [
+    "ROW",
+    "Batching",
+    "as_row",
+    "batch_costs",
+    "fixed_batch_size",
+    "fixed_offsets",
+    "from_batches",
+    "length_grouped_batching",
+    "lower_bound_steps",
+    "measure",
+    "random_fixed_batching",
+    "repetition",
+]
 
 Batching = tuple[np.ndarray, np.ndarray]
+
+#: The columns of a comparison row (benchmarks, ``tokenbatch plan``): their label -> the PlanStats field.
+ROW = {
+    "efficiency": "cost_efficiency",
+    "token_efficiency": "padding_efficiency",
+    "steps": "num_steps",
+    "steps_over_lower_bound": "steps_over_lower_bound",
+    "mean_budget_use": "mean_budget_use",
+    "max_budget_use": "max_budget_use",
+    "mean_batch_size": "mean_batch_size",
+    "step_balance": "step_balance",
+}
 
 
 def from_batches(batches: list[list[int]]) -> Batching:
@@ -40,20 +67,7 @@ def fixed_offsets(num_samples: int, batch_size: int) -> np.ndarray:
 
 def batch_costs(batching: Batching, lengths: np.ndarray, cost: CostModel) -> np.ndarray:
     """The cost of every batch: its size times the cost of its longest sample."""
-    order, offsets = batching
-    longest = np.maximum.reduceat(lengths[order], offsets[:-1])
-    result: np.ndarray = np.diff(offsets) * cost.sample_cost(longest)
-    return result
-
-
-def lower_bound_steps(lengths: np.ndarray, cost: CostModel, budget: float, num_replicas: int = 1) -> float:
-    """Steps if nothing were padded and every batch filled the budget: sum cost(1, L_i) / budget / W.
-
-    Example:
-        >>> lower_bound_steps(np.array([10, 30]), CostModel(), 20.0)
-        2.0
-    """
-    return float(cost.sample_cost(lengths).sum()) / budget / num_replicas
+    return Plan(*batching, num_replicas=1).batch_costs(lengths, cost)
 
 
 def fixed_batch_size(lengths: np.ndarray, cost: CostModel, budget: float) -> int:
@@ -64,9 +78,8 @@ def fixed_batch_size(lengths: np.ndarray, cost: CostModel, budget: float) -> int
         188
     """
     unit = float(cost.sample_cost(int(lengths.max())))
-    size = int(budget // unit)
-    while size > 0 and size * unit > budget:  # float division can land one too high
-        size -= 1
+    # Bounded by what a numpy index holds, so a huge budget still cuts batches (one of everything).
+    size = fit_count(unit, budget, int(np.iinfo(np.int64).max))
     if size == 0:
         raise ValueError(
             f"the longest sample (length {int(lengths.max())}) costs {unit:g} alone, more than "
@@ -130,50 +143,24 @@ def _batch_of(batching: Batching, num_samples: int) -> np.ndarray:
     return result
 
 
-@dataclass(frozen=True)
-class BatchingStats:
-    """How well one epoch's batching uses the budget (see :func:`measure`)."""
-
-    efficiency: float
-    """Sum of each sample's cost alone / sum of batch costs (real / padded tokens for linear cost)."""
-    token_efficiency: float
-    """Real tokens / padded tokens, whatever the cost model."""
-    steps: int
-    steps_over_lower_bound: float
-    mean_budget_use: float
-    max_budget_use: float
-    mean_batch_size: float
-    step_balance: float
-    """Sum of batch costs / (W * sum over steps of the costliest batch): 1.0 = no rank waits."""
-
-    def as_dict(self) -> dict[str, float]:
-        return asdict(self)
-
-
 def measure(
     batching: Batching, lengths: np.ndarray, cost: CostModel, budget: float, num_replicas: int = 1
-) -> BatchingStats:
+) -> PlanStats:
     """Padding, step count and budget use of one epoch's batching on ``num_replicas`` ranks.
 
     A batch count that is not a multiple of ``num_replicas`` counts its last,
     partial step as a full one (accelerate's ``even_batches`` would fill it
     with repeated samples).
     """
-    order, offsets = batching
-    costs = batch_costs(batching, lengths, cost)
-    sizes = np.diff(offsets)
-    longest = np.maximum.reduceat(lengths[order], offsets[:-1])
-    steps = math.ceil(len(costs) / num_replicas)
-    padded = np.zeros(steps * num_replicas)
-    padded[: len(costs)] = costs
-    per_step = padded.reshape(steps, num_replicas)
-    return BatchingStats(
-        efficiency=float(cost.sample_cost(lengths[order]).sum() / costs.sum()),
-        token_efficiency=float(lengths[order].sum() / (sizes * longest).sum()),
-        steps=steps,
-        steps_over_lower_bound=steps / lower_bound_steps(lengths, cost, budget, num_replicas),
-        mean_budget_use=float(costs.mean() / budget),
-        max_budget_use=float(costs.max() / budget),
-        mean_batch_size=float(sizes.mean()),
-        step_balance=float(per_step.sum() / (num_replicas * per_step.max(axis=1).sum())),
-    )
+    return batch_stats(Plan(*batching, num_replicas=num_replicas), lengths, cost, budget)
+
+
+def as_row(stats: PlanStats) -> dict[str, float]:
+    """``stats`` under the column labels of the comparison tables and their JSON.
+
+    Example:
+        >>> row = as_row(measure((np.arange(3), np.array([0, 2, 3])), np.array([3, 4, 8]), CostModel(), 8.0))
+        >>> row["steps"], row["token_efficiency"]
+        (2, 0.9375)
+    """
+    return {label: getattr(stats, field) for label, field in ROW.items()}

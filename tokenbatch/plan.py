@@ -27,8 +27,24 @@ from __future__ import annotations
 import functools
 import heapq
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+from tokenbatch._pack import fit_count, pack_sorted
+
+if TYPE_CHECKING:
+    from tokenbatch.cost import CostModel
+
+__all__ = [
+    "OVERSIZE_POLICIES",
+    "OversizeSampleError",
+    "Plan",
+    "fit_count",
+    "oversize_error",
+    "pack_sorted",
+    "plan_batches",
+]
 
 OVERSIZE_POLICIES = ("error", "skip", "alone")
 _SHIFT_TRIES = 4
@@ -42,9 +58,17 @@ class OversizeSampleError(ValueError):
 class Plan:
     """Batches of sample indices, laid out step after step.
 
-    Batch ``b`` is ``order[offsets[b]:offsets[b + 1]]``; global step ``s``
-    holds batches ``s * num_replicas`` to ``(s + 1) * num_replicas - 1``,
-    one for each rank in rank order.
+    Batch ``b`` is ``order[offsets[b]:offsets[b + 1]]`` (never empty); global
+    step ``s`` holds batches ``s * num_replicas`` to ``(s + 1) * num_replicas - 1``,
+    one for each rank in rank order. :func:`tokenbatch.stats.batch_stats`
+    describes a plan; any batching ``(order, offsets)`` can be wrapped in one.
+
+    Example:
+        >>> from tokenbatch.cost import CostModel
+        >>> plan = Plan(np.array([2, 0, 1]), np.array([0, 2, 3]), num_replicas=1)
+        >>> lengths = np.array([5, 9, 7])
+        >>> plan.batch_longest(lengths).tolist(), plan.batch_costs(lengths, CostModel()).tolist()
+        ([7, 9], [14.0, 9.0])
     """
 
     order: np.ndarray
@@ -66,6 +90,18 @@ class Plan:
 
     def batch_sizes(self) -> np.ndarray:
         return np.diff(self.offsets)
+
+    def batch_longest(self, lengths: np.ndarray) -> np.ndarray:
+        """The largest of ``lengths`` (one per sample of the dataset) in each batch."""
+        if self.num_batches == 0:  # reduceat needs at least one segment
+            return np.empty(0, lengths.dtype)
+        longest: np.ndarray = np.maximum.reduceat(lengths[self.order], self.offsets[:-1])
+        return longest
+
+    def batch_costs(self, lengths: np.ndarray, cost: CostModel) -> np.ndarray:
+        """Each batch's cost: its size times the cost of its longest sample alone."""
+        costs: np.ndarray = self.batch_sizes() * cost.sample_cost(self.batch_longest(lengths))
+        return costs
 
     def first_steps(self, steps: int) -> Plan:
         """The plan cut after ``steps`` global steps."""
@@ -105,81 +141,6 @@ def oversize_error(
         f"{float(unit[too_big].max()):g}, truncate the sequences, or pass "
         f"oversize='alone' (a batch of one) or oversize='skip'"
     )
-
-
-def _fit_count(unit: float, budget: float, max_batch_size: int | None) -> int:
-    """The most samples of per-sample cost ``unit`` that fit ``budget``."""
-    count = int(budget // unit)
-    # Float division can land one off either way; settle it with the same
-    # product the cost model computes.
-    while count > 0 and count * unit > budget:
-        count -= 1
-    while (count + 1) * unit <= budget:
-        count += 1
-    return count if max_batch_size is None else min(count, max_batch_size)
-
-
-def _round_to_multiple(count: int, multiple: int) -> int:
-    return count - count % multiple if count >= multiple else count
-
-
-def pack_sorted(
-    unit_sorted: np.ndarray,
-    budget: float,
-    *,
-    max_batch_size: int | None = None,
-    batch_size_multiple: int = 1,
-    first_budget: float | None = None,
-) -> np.ndarray:
-    """Greedy batch sizes along samples sorted by per-sample cost.
-
-    Args:
-        unit_sorted: per-sample costs in nondecreasing order, each <= budget.
-        budget: the most a batch may cost (``count * its largest unit cost``).
-        max_batch_size: optional cap on samples per batch.
-        batch_size_multiple: batch sizes are rounded down to a multiple of
-            this where at least that many samples fit.
-        first_budget: a smaller budget for the first batch only.
-
-    Returns:
-        The batch sizes, in order; they sum to ``len(unit_sorted)``.
-
-    Example:
-        >>> pack_sorted(np.array([1.0, 1.0, 2.0, 2.0, 4.0]), 4.0).tolist()
-        [2, 2, 1]
-    """
-    n = len(unit_sorted)
-    run_ends = np.append(np.flatnonzero(unit_sorted[1:] != unit_sorted[:-1]) + 1, n)
-    pieces: list[np.ndarray] = []
-    start = 0
-    run = 0
-    limit = budget if first_budget is None else min(first_budget, budget)
-    while start < n:
-        while run_ends[run] <= start:
-            run += 1
-        unit = float(unit_sorted[start])
-        room = _fit_count(unit, limit, max_batch_size)
-        if room == 0:  # the first batch's share was too small for its first sample
-            limit = budget
-            continue
-        full = _round_to_multiple(room, batch_size_multiple)
-        if limit == budget:
-            # Inside a run of equal costs every batch takes exactly `full`.
-            repeats = (run_ends[run] - start) // full
-            if repeats:
-                pieces.append(np.full(repeats, full, dtype=np.int64))
-                start += repeats * full
-                if start == run_ends[run]:
-                    continue
-        # A batch that crosses into longer samples: the largest prefix whose
-        # count times its (growing) last cost stays within the limit.
-        window = unit_sorted[start : start + room]
-        costs = window * np.arange(1, len(window) + 1)
-        count = _round_to_multiple(int(np.searchsorted(costs, limit, side="right")), batch_size_multiple)
-        pieces.append(np.array([count], dtype=np.int64))
-        start += count
-        limit = budget
-    return np.concatenate(pieces) if pieces else np.empty(0, np.int64)
 
 
 def _split_to_multiple(

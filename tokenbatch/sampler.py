@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -19,29 +18,9 @@ from tokenbatch.plan import (
     oversize_error,
     plan_batches,
 )
+from tokenbatch.stats import PlanStats, batch_stats
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class PlanStats:
-    """What an epoch's plan looks like; ``print(sampler.stats())`` to see it."""
-
-    num_samples: int
-    num_batches: int
-    num_steps: int
-    padding_efficiency: float
-    """Real tokens / padded tokens over all batches."""
-    cost_efficiency: float
-    """Sum of each sample's cost alone / sum of batch costs (1.0 = no padding cost)."""
-    mean_budget_use: float
-    """Mean batch cost / budget."""
-    max_budget_use: float
-    """Costliest batch / budget (above 1 only for ``oversize="alone"`` batches)."""
-    mean_batch_size: float
-    max_batch_size: int
-    num_skipped: int
-    num_dropped: int
 
 
 def _per_sample_costs(cost: CostModel, keys: np.ndarray) -> np.ndarray:
@@ -260,30 +239,9 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
         return plan
 
     def stats(self) -> PlanStats:
-        """Padding efficiency, budget use and batch sizes of this epoch's plan."""
-        plan = self.plan
-        sizes = plan.batch_sizes()
-        if len(sizes) == 0:
-            return PlanStats(
-                len(self.lengths), 0, 0, 0.0, 0.0, 0.0, 0.0, 0.0, 0, len(plan.skipped), len(plan.dropped)
-            )
-        starts = plan.offsets[:-1]
-        longest = np.maximum.reduceat(self._keys[plan.order], starts)
-        batch_costs = sizes * self.cost.sample_cost(longest)
-        budgets = self._budget_per_batch()
-        return PlanStats(
-            num_samples=len(self.lengths),
-            num_batches=plan.num_batches,
-            num_steps=plan.num_steps,
-            padding_efficiency=float(self.lengths[plan.order].sum() / (sizes * longest).sum()),
-            cost_efficiency=float(self._unit[plan.order].sum() / batch_costs.sum()),
-            mean_budget_use=float(np.mean(batch_costs / budgets)),
-            max_budget_use=float(np.max(batch_costs / budgets)),
-            mean_batch_size=float(sizes.mean()),
-            max_batch_size=int(sizes.max()),
-            num_skipped=len(plan.skipped),
-            num_dropped=len(plan.dropped),
-        )
+        """Padding, budget use, batch sizes and step balance of this epoch's plan, as ``tokenbatch plan``."""
+        budget = self._budget_per_batch() if self._replans else self._epoch_max_tokens
+        return batch_stats(self.plan, self.lengths, self.cost, budget, unit=self._unit)
 
     def _budget_per_batch(self) -> np.ndarray:
         """The budget each batch of this epoch's plan was made under."""

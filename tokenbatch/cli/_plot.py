@@ -19,7 +19,7 @@ def plot_plan(sampler: TokenBudgetBatchSampler, path: Path, fixed_batch_size: in
     except ImportError:
         raise ValueError("--plot needs matplotlib: pip install matplotlib") from None
     plan = sampler.plan
-    longest = np.maximum.reduceat(sampler.lengths[plan.order], plan.offsets[:-1])
+    longest = plan.batch_longest(sampler.lengths)
     figure, axes = plt.subplots(figsize=(7, 4.5))
     axes.scatter(longest, plan.batch_sizes(), s=12, alpha=0.7, label="tokenbatch batches")
     grid = np.unique(np.linspace(1, sampler.lengths.max(), 400).astype(int))

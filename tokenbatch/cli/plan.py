@@ -138,17 +138,16 @@ def cost_model(args: argparse.Namespace) -> CostModel:
 def describe(sampler: TokenBudgetBatchSampler) -> dict[str, Any]:
     """The numbers ``plan`` prints, as a JSON-ready dict."""
     plan, cost, lengths = sampler.plan, sampler.cost, sampler.lengths
-    batching = (plan.order, plan.offsets)
+    stats = sampler.stats()
     sizes = plan.batch_sizes()
-    longest = np.maximum.reduceat(lengths[plan.order], plan.offsets[:-1])
-    costs = compare.batch_costs(batching, lengths, cost)
-    stats = compare.measure(batching, lengths, cost, sampler.max_tokens, plan.num_replicas)
+    longest = plan.batch_longest(lengths)
+    costs = plan.batch_costs(lengths, cost)
     worst = int(np.argmax(costs))
     return {
-        "batches": plan.num_batches,
-        "steps": plan.num_steps,
+        "batches": stats.num_batches,
+        "steps": stats.num_steps,
         "lower_bound_steps": compare.lower_bound_steps(lengths, cost, sampler.max_tokens, plan.num_replicas),
-        **stats.as_dict(),
+        **compare.as_row(stats),
         "batch_size": _spread(sizes),
         "batch_longest": _spread(longest),
         "costliest_batch": {
@@ -158,8 +157,8 @@ def describe(sampler: TokenBudgetBatchSampler) -> dict[str, Any]:
             "cost": float(costs[worst]),
             "budget_use": float(costs[worst] / sampler.max_tokens),
         },
-        "skipped": len(plan.skipped),
-        "dropped": len(plan.dropped),
+        "skipped": stats.num_skipped,
+        "dropped": stats.num_dropped,
     }
 
 
@@ -182,12 +181,12 @@ def baselines(sampler: TokenBudgetBatchSampler) -> dict[str, Any]:
     result: dict[str, Any] = {"fixed_batch_size": size}
     world = sampler.num_replicas
     fixed = compare.random_fixed_batching(len(lengths), size, rng)
-    result["random_fixed"] = compare.measure(fixed, lengths, cost, budget, world).as_dict()
+    result["random_fixed"] = compare.as_row(compare.measure(fixed, lengths, cost, budget, world))
     try:
         import torch
 
         grouped = compare.length_grouped_batching(lengths, size, torch.Generator().manual_seed(sampler.seed))
-        result["length_grouped"] = compare.measure(grouped, lengths, cost, budget, world).as_dict()
+        result["length_grouped"] = compare.as_row(compare.measure(grouped, lengths, cost, budget, world))
     except ImportError:
         result["length_grouped"] = None  # transformers is not installed
     return result
