@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from tokenbatch.cost import CostModel
+from tokenbatch.plan import fit_count
 
 Piece = tuple[Any, float, np.ndarray]
 """A micro-batch, its loss weight, and its rows in the batch."""
@@ -106,10 +107,7 @@ def plan_micro_batches(shape: BatchShape, cost: CostModel, budget: float) -> lis
     greedy: list[int] = []
     start = 0
     while start < len(order):
-        count = max(1, int(budget // float(units[start])))
-        while count > 1 and count * float(units[start]) > budget:  # float division can land one high
-            count -= 1
-        greedy.append(min(count, len(order) - start))
+        greedy.append(max(1, fit_count(float(units[start]), budget, len(order) - start)))
         start += greedy[-1]
     parts = len(greedy)
     even = [len(order) // parts + (1 if i < len(order) % parts else 0) for i in range(parts)]
