@@ -9,17 +9,18 @@
 - :func:`token_cost`: the model's analytic cost for the device and precision
   accelerate runs it in, in token units.
 
-A loop with all three::
+A loop with them::
 
     def train(accelerator):
-        ...  # sampler, model, optimizer, loaders, accelerator.prepare(...), OOMFallback
+        cost = token_cost(accelerator, model.config)  # the sampler's cost, in padded tokens
+        ...  # samplers, loaders, optimizer, accelerator.prepare(...), OOMFallback
         for epoch in range(num_epochs):
             sampler.set_epoch(epoch)
             for batch in progress(fallback, train_loader, desc=f"epoch {epoch}"):
                 if fallback.backward(batch, lambda b: model(**b).loss) is not None:
                     optimizer.step()
                     optimizer.zero_grad()
-            for batch in eval_loader:
+            for batch in eval_loader:  # token-budget batches too: their sizes differ between processes
                 with torch.no_grad():
                     predictions = model(**batch).logits.argmax(-1)
                 predictions, labels = gather_samples(accelerator, (predictions, batch["labels"]))
