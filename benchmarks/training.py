@@ -6,9 +6,12 @@ model, tokenization and validation) at the same worst-case padded memory:
 - ``seed``: the blog post's design, random batches of a fixed ``--batch_size``
   per process inside accelerate's ``find_executable_batch_size`` (which only
   matters after an OOM; there is none on CPU, so it runs once);
-- ``tokenbatch``: ``examples/emotion/train.py`` with ``--max_tokens`` equal to
-  the cost of the seed's worst batch, ``batch_size`` copies of the longest
-  training text (quadratic attention cost, the model's crossover).
+- ``tokenbatch``: the example's loop (``examples/emotion/train.py``: token-budget
+  batches under ``OOMFallback``) with ``--max_tokens`` equal to the cost of the
+  seed's worst batch, ``batch_size`` copies of the longest training text
+  (quadratic attention cost, crossover ``34 * hidden / (5 * heads)``).
+
+Both arms run in ``benchmarks/training_workers.py``, one ``accelerate launch`` each.
 
 Per epoch: wall time, real tokens per second, optimizer steps, validation
 macro-F1; the wall time until validation macro-F1 first reaches ``--target``,
@@ -25,9 +28,7 @@ load of other processes on the machine cannot skew.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
-import math
 import os
 import socket
 import statistics
@@ -35,184 +36,12 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 from benchmarks import common
 
 NAME = "training"
-EXAMPLE = common.REPO / "examples" / "emotion" / "train.py"
-
-
-def load_example() -> ModuleType:
-    """``examples/emotion/train.py`` as a module, to share its model, data and validation code."""
-    spec = importlib.util.spec_from_file_location("emotion_example", EXAMPLE)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-# -- the seed's arm, run under accelerate launch as `-m benchmarks.training --worker ...` ------------
-
-
-def seed_worker(argv: list[str]) -> None:
-    """The seed's training loop: shuffled fixed batches inside find_executable_batch_size."""
-    import torch
-    from accelerate import Accelerator
-    from accelerate.utils import find_executable_batch_size, set_seed
-    from torch.utils.data import DataLoader
-    from transformers import DataCollatorWithPadding
-
-    from tokenbatch import column_lengths
-
-    parser = argparse.ArgumentParser()
-    for name in ("--model_name", "--data_dir", "--output_json"):
-        parser.add_argument(name, required=True)
-    for name in ("--batch_size", "--num_epochs", "--train_limit", "--eval_limit", "--seed"):
-        parser.add_argument(name, type=int)
-    parser.add_argument("--learning_rate", type=float, required=True)
-    args = parser.parse_args(argv)
-    args.data_dir, args.tiny_model, args.max_length = Path(args.data_dir), False, 512
-    example = load_example()
-
-    accelerator = Accelerator()
-    set_seed(args.seed)
-    tokenizer = example.load_tokenizer(args.model_name)
-    with accelerator.main_process_first():
-        encoded = example.tokenize(example.load_splits(args), tokenizer, args.max_length)
-    collator = DataCollatorWithPadding(tokenizer)
-    results: dict[str, Any] = {"epochs": [], "world_size": accelerator.num_processes}
-    # accelerate completes the last step by repeating a few texts; count each text once.
-    dataset_tokens = int(column_lengths(encoded["train"]).sum())
-
-    @find_executable_batch_size(starting_batch_size=args.batch_size)  # type: ignore[untyped-decorator]
-    def inner_training_loop(batch_size: int) -> None:
-        accelerator.free_memory()
-        set_seed(args.seed)
-        model = example.EmotionClassifier(
-            example.load_encoder(args, tokenizer), example.num_labels_of(encoded["train"])
-        )
-        optimizer = torch.optim.Adam(model.parameters(), lr=args.learning_rate)
-        train_loader = DataLoader(encoded["train"], batch_size=batch_size, shuffle=True, collate_fn=collator)
-        eval_loader = DataLoader(encoded["validation"], batch_size=batch_size, collate_fn=collator)
-        model, optimizer, train_loader, eval_loader = accelerator.prepare(
-            model, optimizer, train_loader, eval_loader
-        )
-        for epoch in range(args.num_epochs):
-            model.train()
-            start = time.perf_counter()
-            loss_sum, steps, tokens = 0.0, 0, 0
-            for batch in train_loader:
-                loss, _ = model(**batch)
-                accelerator.backward(loss)
-                optimizer.step()
-                optimizer.zero_grad()
-                loss_sum, steps = loss_sum + loss.item(), steps + 1
-                tokens += int(batch["attention_mask"].sum())
-            train_seconds = time.perf_counter() - start
-            totals = accelerator.reduce(torch.tensor([loss_sum, steps, tokens], dtype=torch.float64), "sum")
-            macro_f1, scored = example.evaluate(model, eval_loader, accelerator)
-            record = {
-                "epoch": epoch + 1,
-                "loss": float(totals[0] / totals[1]),
-                "macro_f1": macro_f1,
-                "train_seconds": train_seconds,
-                "epoch_seconds": time.perf_counter() - start,
-                "real_tokens": dataset_tokens,
-                "tokens_processed": int(totals[2]),
-                "tokens_per_second": dataset_tokens / train_seconds,
-                "optimizer_steps": steps,
-                "batch_size": batch_size,
-                "eval_samples": scored,
-            }
-            results["epochs"].append(record)
-            accelerator.print(f"seed epoch {epoch + 1}: {record}")
-
-    inner_training_loop()
-    if accelerator.is_main_process:
-        Path(args.output_json).write_text(json.dumps(results, indent=2) + "\n")
-    example.finish(accelerator)
-
-
-def throughput_worker(argv: list[str]) -> None:
-    """Real tokens/s of both batchings measured in alternation, so both see the same machine load.
-
-    One model and optimizer; each round trains a chunk of seed batches then a chunk
-    of token-budget batches (the order alternates), with the same plain loop, and
-    over all rounds each arm covers about one epoch of its own batches.
-    """
-    import torch
-    from accelerate import Accelerator
-    from accelerate.utils import set_seed
-    from torch.utils.data import DataLoader
-    from transformers import DataCollatorWithPadding
-
-    from tokenbatch import CostModel, TokenBudgetBatchSampler, column_lengths
-
-    parser = argparse.ArgumentParser()
-    for name in ("--model_name", "--data_dir", "--output_json"):
-        parser.add_argument(name, required=True)
-    for name in ("--batch_size", "--train_limit", "--eval_limit", "--seed", "--rounds"):
-        parser.add_argument(name, type=int)
-    parser.add_argument("--max_tokens", type=float, required=True)
-    args = parser.parse_args(argv)
-    # No validation here: tokenize one validation text only.
-    args.data_dir, args.tiny_model, args.max_length, args.eval_limit = Path(args.data_dir), False, 512, 1
-    example = load_example()
-    accelerator = Accelerator()
-    set_seed(args.seed)
-    tokenizer = example.load_tokenizer(args.model_name)
-    with accelerator.main_process_first():
-        train = example.tokenize(example.load_splits(args), tokenizer, args.max_length)["train"]
-    collator = DataCollatorWithPadding(tokenizer)
-    model = example.EmotionClassifier(example.load_encoder(args, tokenizer), example.num_labels_of(train))
-    optimizer = torch.optim.Adam(model.parameters(), lr=5e-5)
-    cost = CostModel.attention(example.attention_crossover(model.encoder.config))
-    sampler = TokenBudgetBatchSampler(column_lengths(train), args.max_tokens, cost=cost, seed=args.seed)
-    loaders = {
-        "seed": DataLoader(train, batch_size=args.batch_size, shuffle=True, collate_fn=collator),
-        "tokenbatch": DataLoader(train, batch_sampler=sampler, collate_fn=collator),
-    }
-    model, optimizer, loaders["seed"], loaders["tokenbatch"] = accelerator.prepare(
-        model, optimizer, loaders["seed"], loaders["tokenbatch"]
-    )
-    chunk = {arm: max(1, math.ceil(len(loader) / args.rounds)) for arm, loader in loaders.items()}
-    streams = {arm: iter(loader) for arm, loader in loaders.items()}
-
-    def next_batch(arm: str) -> Any:
-        try:
-            return next(streams[arm])
-        except StopIteration:
-            streams[arm] = iter(loaders[arm])
-            return next(streams[arm])
-
-    chunks = []
-    model.train()
-    for number in range(args.rounds):
-        for arm in ("seed", "tokenbatch") if number % 2 == 0 else ("tokenbatch", "seed"):
-            accelerator.wait_for_everyone()
-            start, tokens = time.perf_counter(), 0
-            for _ in range(chunk[arm]):
-                batch = next_batch(arm)
-                loss, _ = model(**batch)
-                accelerator.backward(loss)
-                optimizer.step()
-                optimizer.zero_grad()
-                tokens += int(batch["attention_mask"].sum())
-            seconds = time.perf_counter() - start
-            total = float(accelerator.reduce(torch.tensor([float(tokens)], dtype=torch.float64), "sum")[0])
-            chunks.append(
-                {"round": number, "arm": arm, "steps": chunk[arm], "tokens": total, "seconds": seconds}
-            )
-            accelerator.print(f"round {number} {arm}: {total / seconds:.0f} real tokens/s")
-    if accelerator.is_main_process:
-        Path(args.output_json).write_text(json.dumps({"chunks": chunks}, indent=2) + "\n")
-    model, optimizer = accelerator.free_memory(model, optimizer)  # see example.finish
-    example.finish(accelerator)
-
-
-# -- the driver ---------------------------------------------------------------------------------
+WORKERS = ["-m", "benchmarks.training_workers"]  # one process of a run under accelerate launch
 
 
 def free_port() -> int:
@@ -243,16 +72,17 @@ def launch(script: list[str], processes: int, log: Path) -> None:
 
 
 def worst_case_budget(
-    example: ModuleType, model: str, data_dir: Path, limit: int | None, batch_size: int
+    model: str, data_dir: Path, limit: int | None, batch_size: int
 ) -> tuple[float, int, float]:
     """The cost of ``batch_size`` copies of the longest training text: the seed's worst batch."""
     from transformers import AutoConfig, AutoTokenizer
 
+    from benchmarks.training_workers import attention_crossover
     from tokenbatch import CostModel, text_lengths
 
     texts = [row["text"] for row in common.read_jsonl(data_dir / "train.jsonl", limit)]
     longest = int(text_lengths(texts, AutoTokenizer.from_pretrained(model), max_length=512).max())
-    crossover = example.attention_crossover(AutoConfig.from_pretrained(model))
+    crossover = attention_crossover(AutoConfig.from_pretrained(model))
     return CostModel.attention(crossover).cost(batch_size, longest), longest, crossover
 
 
@@ -276,9 +106,9 @@ def run_arms(args: argparse.Namespace, shared: list[str], budget: float, work: P
         out = work / f"{kind}-lr{lr:g}.json"
         settings = ["--learning_rate", str(lr), "--num_epochs", str(epochs), "--output_json", str(out)]
         if kind == "seed":
-            script = ["-m", "benchmarks.training", "--worker", "seed", "--batch_size", str(args.batch_size)]
+            script = [*WORKERS, "seed", "--batch_size", str(args.batch_size)]
         else:
-            script = [str(EXAMPLE), "--max_tokens", str(budget)]
+            script = [*WORKERS, "tokenbatch", "--max_tokens", str(budget)]
         print(f"running {label} ...", flush=True)
         start = time.perf_counter()
         launch([*script, *shared, *settings], args.processes, work / f"{kind}-lr{lr:g}.log")
@@ -291,7 +121,7 @@ def run_arms(args: argparse.Namespace, shared: list[str], budget: float, work: P
 def run_throughput(args: argparse.Namespace, shared: list[str], budget: float, work: Path) -> dict[str, Any]:
     """Both batchings in alternating chunks of one run: a tokens/s ratio free of load drift."""
     out = work / "throughput.json"
-    script = ["-m", "benchmarks.training", "--worker", "throughput", "--batch_size", str(args.batch_size)]
+    script = [*WORKERS, "throughput", "--batch_size", str(args.batch_size)]
     script += ["--max_tokens", str(budget), "--rounds", str(args.rounds), "--output_json", str(out)]
     print("running the interleaved throughput check ...", flush=True)
     launch([*script, *shared], args.processes, work / "throughput.log")
@@ -342,11 +172,6 @@ def summarize(
 
 
 def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    workers = {"seed": seed_worker, "throughput": throughput_worker}
-    if argv[:1] == ["--worker"]:  # one process of a run under accelerate launch
-        workers[argv[1]](argv[2:])
-        return
     parser = common.parser(NAME, __doc__.split("\n\n")[0])
     parser.add_argument("--batch_size", type=int, default=32, help="the seed's batch size per process")
     parser.add_argument("--learning_rate", type=float, default=5e-5, help="the seed's learning rate")
@@ -378,9 +203,7 @@ def main(argv: list[str] | None = None) -> None:
     args.tokenbatch_lrs = args.tokenbatch_lrs or ("5e-5" if args.quick else "5e-5,1e-4,2e-4")
     args.rounds = args.rounds or (2 if args.quick else 6)
     model = common.minilm_path()
-    budget, longest, crossover = worst_case_budget(
-        load_example(), model, data / "emotion", args.train_limit, args.batch_size
-    )
+    budget, longest, crossover = worst_case_budget(model, data / "emotion", args.train_limit, args.batch_size)
     shared = ["--model_name", model, "--data_dir", str(data / "emotion"), "--seed", str(args.seed)]
     shared += ["--train_limit", str(args.train_limit)] if args.train_limit else []
     shared += ["--eval_limit", str(args.eval_limit)] if args.eval_limit else []

@@ -112,6 +112,25 @@ def test_planning_and_gpu_results_are_sane(quick_results: Path) -> None:
     assert gpu_result["skipped"] is (not torch.cuda.is_available())
 
 
+@pytest.mark.slow
+def test_training_arms_train_and_score_every_text_once(quick_results: Path) -> None:
+    data = json.loads((quick_results / "training.json").read_text())
+    settings, arms = data["settings"], data["arms"]
+    assert set(arms) == {"seed lr=5e-05", "tokenbatch lr=5e-05"}
+    tokens = {e["real_tokens"] for arm in arms.values() for e in arm["epochs"]}
+    assert len(tokens) == 1 and tokens.pop() > 0  # both batchings trained the same texts, each once
+    for label, arm in arms.items():
+        assert arm["world_size"] == settings["processes"] == 2
+        assert [e["epoch"] for e in arm["epochs"]] == list(range(1, settings["epochs"] + 1))
+        for record in arm["epochs"]:
+            assert record["eval_samples"] == settings["eval_limit"], label  # each validation text once
+            assert 0 <= record["macro_f1"] <= 1 and record["loss"] > 0 and record["optimizer_steps"] >= 1
+    tokenbatch = arms["tokenbatch lr=5e-05"]
+    assert tokenbatch["oom_events"] == [] and tokenbatch["crossover"] == settings["crossover"]
+    assert tokenbatch["epochs"][-1]["sampler_max_tokens"] == pytest.approx(settings["max_tokens"])
+    assert {c["arm"] for c in data["throughput"]["chunks"]} == {"seed", "tokenbatch"}
+
+
 # -- the metrics, checked against brute force -------------------------------------------
 
 

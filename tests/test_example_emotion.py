@@ -1,10 +1,12 @@
 """examples/emotion/train.py end to end: a tiny BERT on an emotion slice, 1 and 2 processes.
 
+The runs go through ``tests/scripts/emotion_run.py``, which swaps the pretrained
+encoder for a tiny random BERT and writes the metrics ``train()`` returns to JSON.
 Every run rehearses out-of-memory with ``--simulate_oom_above`` (a real
 ``torch.OutOfMemoryError`` raised from the loss function for batches above a
 cost), so the fallback's paths run, and checks that each epoch still trained
-every training text exactly once: the real tokens trained equal the sum of the
-slice's lengths.
+every training text exactly once (the real tokens trained equal the sum of the
+slice's lengths) and scored every validation text exactly once.
 """
 
 from __future__ import annotations
@@ -25,7 +27,9 @@ from tokenbatch.lengths import text_lengths
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "examples" / "emotion" / "train.py"
+RUN = REPO / "tests" / "scripts" / "emotion_run.py"  # the example with a tiny BERT, metrics to JSON
 TRAIN_LIMIT, EVAL_LIMIT, EPOCHS = 240, 101, 2  # an odd validation count: ranks get unequal shares
+MAX_TOKENS = 1024
 EPOCH_LINE = re.compile(r"^Epoch: (\d+)\tloss: (\S+)\tmacro-F1: (\S+)\t", re.MULTILINE)
 
 
@@ -53,16 +57,14 @@ def run_example(
 ) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
     out = tmp_path / "metrics.json"
     args = [
-        str(SCRIPT),
+        str(RUN), str(out),
         "--data_dir", str(data_dir),
         "--model_name", model,
-        "--tiny_model",
         "--train_limit", str(TRAIN_LIMIT),
         "--eval_limit", str(EVAL_LIMIT),
         "--num_epochs", str(EPOCHS),
-        "--max_tokens", "1024",
+        "--max_tokens", str(MAX_TOKENS),
         "--learning_rate", "1e-3",
-        "--output_json", str(out),
         *extra,
     ]  # fmt: skip
     if processes == 1:
@@ -103,7 +105,9 @@ def check_run(done: subprocess.CompletedProcess[str], metrics: dict[str, Any], t
         assert record["optimizer_steps"] >= 1 and record["tokens_per_second"] > 0
     # The rehearsed OOMs happened and the budget in force went down.
     assert metrics["oom_events"], "no OOM event was recorded"
-    assert epochs[-1]["max_tokens"] < metrics["initial_max_tokens"]
+    assert epochs[-1]["max_tokens"] < MAX_TOKENS
+    assert metrics["max_tokens"] == epochs[-1]["max_tokens"]
+    assert epochs[-1]["oom_events"] == len(metrics["oom_events"])
 
 
 @pytest.mark.slow
@@ -115,7 +119,7 @@ def test_one_process_split(
     )
     check_run(done, metrics, train_tokens)
     assert metrics["world_size"] == 1
-    assert metrics["epochs"][-1]["sampler_max_tokens"] == 1024  # split mode keeps the plan
+    assert metrics["epochs"][-1]["sampler_max_tokens"] == metrics["sampler_max_tokens"] == MAX_TOKENS
 
 
 @pytest.mark.slow
@@ -147,10 +151,11 @@ def test_two_processes(
     assert {tuple(event["ranks"]) for event in metrics["oom_events"]} == {(int(rank),)}
     # Printed once, by the main process only.
     assert len(EPOCH_LINE.findall(done.stdout)) == EPOCHS
+    assert metrics["epochs"][-1]["sampler_max_tokens"] == metrics["sampler_max_tokens"]
     if mode == "halve":  # the re-plan lowers the sampler's budget for the rest of training
-        assert metrics["epochs"][-1]["sampler_max_tokens"] <= 512
+        assert metrics["sampler_max_tokens"] <= MAX_TOKENS / 2
     else:  # split mode keeps the plan and its step count
-        assert metrics["epochs"][-1]["sampler_max_tokens"] == 1024
+        assert metrics["sampler_max_tokens"] == MAX_TOKENS
 
 
 @pytest.mark.parametrize(
@@ -165,7 +170,7 @@ def test_offline_without_local_files_says_what_to_pass(
 ) -> None:
     args = ["--model_name", minilm_path] if missing == "data" else ["--data_dir", str(emotion_data_dir)]
     done = subprocess.run(
-        [sys.executable, str(SCRIPT), "--tiny_model", *args],
+        [sys.executable, str(SCRIPT), *args],
         env=env(tmp_path),
         capture_output=True,
         text=True,
@@ -174,3 +179,30 @@ def test_offline_without_local_files_says_what_to_pass(
     assert done.returncode != 0
     assert re.search(expected, done.stderr, re.DOTALL), done.stderr[-3000:]
     assert "Traceback" not in done.stderr
+
+
+def test_help_shows_every_default(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--help"],
+        env=env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    text = " ".join(done.stdout.split())  # argparse wraps the help lines
+    for default in ("bert-base-cased", "512", "16384", "split", "forward", "5e-05", "None"):
+        assert f"(default: {default})" in text, default
+    assert text.count("(default: ") == 16, text  # every option but --help
+
+
+def test_rejects_a_budget_that_is_not_positive(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--max_tokens", "0"],
+        env=env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2
+    assert "--max_tokens should be a positive number, but got max_tokens=0.0" in done.stderr

@@ -3,6 +3,9 @@
 Each integration is its own module, imported on demand, so that
 ``import tokenbatch`` never pulls in a framework:
 
+- :mod:`tokenbatch.integrations.accelerate`: helpers for your own accelerate
+  loop: gathering evaluation batches of uneven sizes, a progress bar that
+  follows re-plans, a clean shutdown, and the model's cost in token units.
 - :mod:`tokenbatch.integrations.transformers`: :class:`TokenBudgetTrainer`, a
   transformers ``Trainer`` that batches by token budget and survives
   out-of-memory errors without restarting the run.

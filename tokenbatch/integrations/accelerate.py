@@ -1,0 +1,238 @@
+"""What a token-budget training loop under ``accelerate launch`` needs beyond accelerate itself.
+
+- :func:`gather_samples`: gather evaluation outputs whose batch sizes differ
+  between processes (token-budget batches do), so that every validation
+  example is scored exactly once;
+- :func:`progress`: ``fallback.iterate(dataloader)`` behind a progress bar that
+  follows re-plans and shows the budget in force;
+- :func:`finish`: end a distributed run without the DDP shutdown hang;
+- :func:`token_cost`: the model's analytic cost for the device and precision
+  accelerate runs it in, in token units.
+
+A loop with them::
+
+    def train(accelerator):
+        cost = token_cost(accelerator, model.config)  # the sampler's cost, in padded tokens
+        ...  # samplers, loaders, optimizer, accelerator.prepare(...), OOMFallback
+        for epoch in range(num_epochs):
+            sampler.set_epoch(epoch)
+            for batch in progress(fallback, train_loader, desc=f"epoch {epoch}"):
+                if fallback.backward(batch, lambda b: model(**b).loss) is not None:
+                    optimizer.step()
+                    optimizer.zero_grad()
+            for batch in eval_loader:  # token-budget batches too: their sizes differ between processes
+                with torch.no_grad():
+                    predictions = model(**batch).logits.argmax(-1)
+                predictions, labels = gather_samples(accelerator, (predictions, batch["labels"]))
+
+    accelerator = Accelerator()
+    train(accelerator)
+    finish(accelerator)  # after train() returned: its references to the DDP model are gone
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import weakref
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import nullcontext
+from typing import TYPE_CHECKING, Any, TypeVar, cast
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+try:
+    from accelerate import Accelerator, PartialState
+    from accelerate.utils import recursively_apply
+except ImportError as error:  # pragma: no cover - the extra is not installed
+    raise ImportError(
+        "tokenbatch.integrations.accelerate needs accelerate: pip install 'tokenbatch[accelerate]'"
+    ) from error
+
+from tokenbatch.cost import CostModel
+
+if TYPE_CHECKING:
+    from tokenbatch.oom import OOMFallback
+
+__all__ = ["finish", "gather_samples", "progress", "token_cost"]
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+def token_cost(
+    accelerator: Accelerator, config: Any, *, task: str = "auto", pad_to_multiple_of: int = 1
+) -> CostModel:
+    """:meth:`CostModel.from_config <tokenbatch.CostModel.from_config>` for the device and mixed
+    precision ``accelerator`` trains in, scaled to token units (``linear = 1``).
+
+    A budget then stays a number of padded tokens, and a long sequence costs
+    more in proportion to the attention scores its model keeps: eager
+    attention and CPU sdpa with attention dropout store them, fused kernels on
+    CUDA hardly anything. ``task`` names the head, as for ``from_config``.
+
+    Example:
+        >>> from accelerate import Accelerator
+        >>> from transformers import BertConfig
+        >>> cost = token_cost(Accelerator(cpu=True), BertConfig(), task="base")
+        >>> cost.linear, round(1 / cost.quadratic)  # a 395-token sequence costs twice its length
+        (1.0, 395)
+    """
+    precision = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(str(accelerator.mixed_precision))
+    device = "cuda" if accelerator.device.type == "cuda" else "cpu"
+    cost = CostModel.from_config(
+        config, dtype=precision, device=device, task=task, pad_to_multiple_of=pad_to_multiple_of
+    )
+    return CostModel(1.0, cost.quadratic / cost.linear, cost.per_sample / cost.linear, pad_to_multiple_of)
+
+
+def gather_samples(accelerator: Accelerator, data: T) -> T:
+    """Gather one evaluation batch's outputs from every process, each example exactly once.
+
+    ``data`` is a tensor, or a tuple, list or dict of tensors, whose first
+    dimension is this process's batch; the other dimensions must agree across
+    processes. Token-budget batches differ in size between processes, and
+    ``accelerator.gather`` needs equal shapes: the rows are padded to the
+    largest batch, gathered, and each process's padding dropped again by its
+    row count. Batches of equal size go through ``accelerator.gather_for_metrics``,
+    which also drops the samples accelerate repeats to complete the last batch
+    of a fixed-size DataLoader. Call it on every process, like any collective.
+
+    Returns:
+        The same structure on every process: process 0's rows, then process 1's, ...
+
+    Raises:
+        TypeError: ``data`` is not made of tensors.
+        ValueError: its tensors do not share their first dimension, or their
+            other dimensions differ between processes. Either error is raised on
+            every process, so none is left waiting.
+
+    Example:
+        >>> from accelerate import Accelerator
+        >>> accelerator = Accelerator(cpu=True)
+        >>> ids, logits = gather_samples(accelerator, (torch.tensor([7, 3]), torch.zeros(2, 6)))
+        >>> ids.tolist(), tuple(logits.shape)
+        ([7, 3], (2, 6))
+    """
+    shapes: list[tuple[int, ...]] = []
+
+    def note(tensor: torch.Tensor) -> torch.Tensor:
+        shapes.append(tuple(tensor.shape))
+        return tensor
+
+    problem, error = "", cast(type[Exception], ValueError)
+    try:
+        recursively_apply(note, data, error_on_other_type=True)
+    except TypeError:
+        problem, error = f"an object of type {type(data).__name__}", TypeError
+    else:
+        if not shapes or not all(shapes) or len({shape[0] for shape in shapes}) != 1:
+            problem = f"shapes {shapes}"
+    # One small gather tells every process every batch size, and whether the shapes fit
+    # together, before a gather that would fail or hang on mismatched shapes.
+    rows = 0 if problem else shapes[0][0]
+    trailing = 0 if problem else hash(tuple(shape[1:] for shape in shapes))  # ints hash alike everywhere
+    signature = torch.tensor(
+        [[int(not problem), rows, trailing]], dtype=torch.int64, device=accelerator.device
+    )
+    everyone = accelerator.gather(signature).cpu()
+    if not bool(everyone[:, 0].all()):
+        failed = everyone[:, 0].eq(0).nonzero().flatten().tolist()
+        raise error(
+            f"data should be a tensor, or a tuple, list or dict of tensors sharing their first dimension "
+            f"(the batch), on every process, but process(es) {failed} passed something else"
+            + (f": {problem}" if problem else "")
+        )
+    if len(set(everyone[:, 2].tolist())) > 1:
+        raise ValueError(
+            f"data's dimensions after the first should agree across processes, but got shapes {shapes} "
+            f"on process {accelerator.process_index} and others elsewhere; pad them first, e.g. with "
+            f"accelerator.pad_across_processes(tensor, dim=1)"
+        )
+    counts = everyone[:, 1].tolist()
+    if min(counts) == max(counts):
+        return cast(T, accelerator.gather_for_metrics(data))
+    largest = max(counts)
+
+    def pad(tensor: torch.Tensor) -> torch.Tensor:  # the counts are known: no pad_across_processes gathers
+        return torch.cat([tensor, tensor.new_zeros((largest - tensor.shape[0], *tensor.shape[1:]))])
+
+    gathered = accelerator.gather(recursively_apply(pad, data))
+    keep = torch.cat([torch.arange(count) + rank * largest for rank, count in enumerate(counts)])
+    return cast(T, recursively_apply(lambda tensor: tensor[keep.to(tensor.device)], gathered))
+
+
+def progress(
+    fallback: OOMFallback,
+    dataloader: Iterable[T],
+    *,
+    desc: str | None = None,
+    postfix: Callable[[], Mapping[str, Any]] | None = None,
+) -> Iterator[T]:
+    """``fallback.iterate(dataloader)`` behind a tqdm bar that follows re-plans.
+
+    The bar counts the steps trained in this epoch against the steps planned,
+    which a halve-mode re-plan changes, and shows the budget in force plus
+    whatever ``postfix()`` returns (a running loss, say), updated after every
+    step. Only the local main process shows it; log records (the OOM
+    warnings) go above the bar rather than through it.
+
+    Example::
+
+        running = {"loss": 0.0}
+        for batch in progress(fallback, train_loader, desc="epoch 1", postfix=lambda: running):
+            ...
+    """
+    from tqdm.auto import tqdm
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
+    show = PartialState().is_local_main_process
+    sampler = fallback.sampler
+    bar = tqdm(total=sampler.plan.num_steps, desc=desc, disable=not show)
+    batches = fallback.iterate(dataloader)
+    try:
+        with logging_redirect_tqdm() if show else nullcontext():
+            for batch in batches:
+                yield batch
+                bar.total, bar.n = sampler.plan.num_steps, fallback.steps_done
+                bar.set_postfix(budget=f"{fallback.max_tokens:g}", **(postfix() if postfix else {}))
+    finally:
+        close = getattr(batches, "close", None)
+        if close is not None:  # a loop left early: release the DataLoader's iterator now
+            close()
+        bar.close()
+
+
+def finish(accelerator: Accelerator) -> None:
+    """End the run on every process: release the prepared objects, then the process group.
+
+    Call it last, once the function that trained has returned (or after
+    ``del model``). The order matters: a DDP model still alive when
+    ``end_training`` destroys the gloo process group takes the group down
+    later, from its reducer, while holding the GIL, and can deadlock with
+    gloo's worker threads: a hang at exit (pytorch/pytorch#56297). So this drops
+    accelerate's own references to what it prepared, collects, and only then
+    calls ``end_training``; a DDP model someone still holds is logged as a warning.
+
+    Example::
+
+        accelerator = Accelerator()
+        train(accelerator)  # prepares, trains and returns: its references go with it
+        finish(accelerator)
+    """
+    accelerator.wait_for_everyone()
+    # Weak references only: a strong one here would keep alive what free_memory is meant to drop.
+    prepared = getattr(accelerator, "_models", [])
+    wrapped = [weakref.ref(model) for model in prepared if isinstance(model, DistributedDataParallel)]
+    del prepared
+    accelerator.free_memory()
+    gc.collect()
+    if any(ref() is not None for ref in wrapped):
+        logger.warning(
+            "finish(): a DDP model is still referenced; drop every reference to it (return from the "
+            "function that trained, or `del model`) before finish(), or the process may hang at exit "
+            "(pytorch/pytorch#56297)"
+        )
+    accelerator.end_training()
