@@ -51,6 +51,7 @@ except ImportError as error:  # pragma: no cover - the extra is not installed
     ) from error
 
 from tokenbatch.cost import CostModel
+from tokenbatch.probe import MemoryModel
 
 if TYPE_CHECKING:
     from tokenbatch.oom import OOMFallback
@@ -82,10 +83,14 @@ def token_cost(
     """
     precision = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(str(accelerator.mixed_precision))
     device = "cuda" if accelerator.device.type == "cuda" else "cpu"
-    cost = CostModel.from_config(
-        config, dtype=precision, device=device, task=task, pad_to_multiple_of=pad_to_multiple_of
+    model = MemoryModel.from_config(
+        config,
+        dtype=precision or torch.float32,
+        device=device,
+        task=task,
+        pad_to_multiple_of=pad_to_multiple_of,
     )
-    return CostModel(1.0, cost.quadratic / cost.linear, cost.per_sample / cost.linear, pad_to_multiple_of)
+    return model.token_cost()
 
 
 def gather_samples(accelerator: Accelerator, data: T) -> T:
