@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from tokenbatch.budget_cache import BudgetCache, BudgetKey, default_path
+from tokenbatch.probe import BudgetCache, BudgetKey, default_path
 
 
 def test_put_then_get_keeps_entries_per_key(tmp_path: Path) -> None:
@@ -46,3 +46,13 @@ def test_cache_path_from_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: 
     monkeypatch.setenv("TOKENBATCH_CACHE", str(tmp_path / "x.json"))
     assert default_path() == tmp_path / "x.json"
     assert BudgetCache().path == tmp_path / "x.json"
+
+
+def test_the_old_module_path_still_imports() -> None:
+    import tokenbatch
+    from tokenbatch import budget_cache, probe
+
+    for name in ("BudgetCache", "BudgetKey", "default_path", "remember_budget"):
+        assert getattr(budget_cache, name) is getattr(probe, name)
+    for name in ("BudgetCache", "BudgetKey", "remember_budget"):
+        assert getattr(tokenbatch, name) is getattr(probe, name) and name in tokenbatch.__all__
