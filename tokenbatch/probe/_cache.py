@@ -7,6 +7,11 @@ trained without running out of memory. :func:`remember_budget` starts an OOM
 fallback from it and writes it after each budget change, the probe writes
 what it measured, and a training script may read it to pick its starting
 ``max_tokens``.
+
+A cache is a convenience, so it never stops a run: a file that is not
+readable JSON, or an entry whose ``max_tokens`` is not a positive finite
+number, is a warning that names the file (and the key) and is then ignored;
+the next budget stored replaces the file.
 """
 
 from __future__ import annotations
@@ -106,21 +111,39 @@ class BudgetCache:
         self.path = Path(path) if path is not None else default_path()
 
     def _read(self) -> dict[str, Any]:
+        """The file's entries; {} (with a warning) for a file that is not a readable JSON object."""
         try:
             data = json.loads(self.path.read_text())
         except FileNotFoundError:
             return {}
-        except (OSError, ValueError) as error:
-            raise ValueError(
-                f"the budget cache {self.path} is not readable JSON ({error}); delete it or "
-                f"point $TOKENBATCH_CACHE elsewhere"
-            ) from None
-        return data if isinstance(data, dict) else {}
+        except (OSError, ValueError) as error:  # ValueError: bad JSON, or bytes that are not UTF-8
+            problem = f"is not readable JSON ({error})"
+        else:
+            if isinstance(data, dict):
+                return data
+            problem = f"should hold a JSON object, but holds a {type(data).__name__}"
+        logger.warning(
+            "the budget cache %s %s; ignoring it (the next budget stored replaces it)", self.path, problem
+        )
+        return {}
 
     def get(self, key: BudgetKey) -> dict[str, Any] | None:
-        """The stored entry (``max_tokens``, ``source``, ``updated``, ...) or None."""
+        """The stored entry (``max_tokens``, ``source``, ``updated``, ...) or None.
+
+        None, with a warning, also for an entry that is not an object with a
+        positive finite ``max_tokens`` (written by hand, or by another version).
+        """
         entry = self._read().get(str(key))
-        return dict(entry) if isinstance(entry, dict) else None
+        if entry is None:
+            return None
+        try:
+            if not isinstance(entry, dict):
+                raise TypeError(f"the entry should be a JSON object, but got {entry!r}")
+            _checks.positive_number("max_tokens", entry.get("max_tokens"))
+        except (TypeError, ValueError) as error:
+            logger.warning("ignoring the entry for %s in the budget cache %s: %s", key, self.path, error)
+            return None
+        return dict(entry)
 
     def put(self, key: BudgetKey, max_tokens: float, *, source: str, **extra: Any) -> None:
         """Store ``max_tokens`` for ``key``; ``source`` says who found it ("oom", "probe")."""
