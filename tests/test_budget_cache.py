@@ -3,6 +3,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import multiprocessing
 import sys
 from pathlib import Path
 
@@ -12,6 +13,7 @@ from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
 
+from cache_writer import write_budgets
 from oom_common import collate, loss_fn, make_rows, quiet, tiny_bert
 
 from tokenbatch import OOMFallback, TokenBudgetBatchSampler
@@ -137,3 +139,29 @@ def test_an_entry_that_is_not_an_object_is_ignored_with_a_warning(
         assert cache.get(key) is None
     [message] = caplog.messages
     assert str(cache.path) in message and str(key) in message
+
+
+def test_processes_writing_one_cache_at_once_keep_every_entry(tmp_path: Path) -> None:
+    # Jobs sharing one home directory: without a lock around read-change-write, a
+    # process renames its copy over entries the others added meanwhile (54 of 160 kept).
+    path, workers, count = tmp_path / "budgets.json", 4, 40
+    context = multiprocessing.get_context("spawn")
+    start = context.Barrier(workers)
+    processes = [
+        context.Process(target=write_budgets, args=(str(path), w, count, start)) for w in range(workers)
+    ]
+    for process in processes:
+        process.start()
+    for process in processes:
+        process.join(timeout=300)
+        if process.is_alive():
+            process.kill()
+    assert [p.exitcode for p in processes] == [0] * workers
+    data = json.loads(path.read_text())
+    assert len(data) == workers * count
+    assert all(
+        BudgetCache(path).get(BudgetKey(f"model-{w}-{i}", "cpu:test", 2**30, "float32", 1))
+        for w in range(workers)
+        for i in range(count)
+    )
+    assert not list(tmp_path.glob("*.tmp"))

@@ -11,11 +11,14 @@ what it measured, and a training script may read it to pick its starting
 A cache is a convenience, so it never stops a run: a file that is not
 readable JSON, or an entry whose ``max_tokens`` is not a positive finite
 number, is a warning that names the file (and the key) and is then ignored;
-the next budget stored replaces the file.
+the next budget stored replaces the file. Many jobs may share one home
+directory, so :meth:`BudgetCache.put` reads, changes and rewrites the file
+under a lock (``budgets.json.lock`` beside it), and replaces it atomically.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -28,6 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from filelock import FileLock
 
 from tokenbatch import _checks, distributed
 from tokenbatch.plan import OversizeSampleError
@@ -37,6 +41,10 @@ if TYPE_CHECKING:
 
 # The guard's logger: remembering was the guard's job, and its messages keep their place.
 logger = logging.getLogger("tokenbatch.oom")
+
+# A write holds the lock for milliseconds; waiting longer means the lock is stuck
+# (an unreliable network file system), and a cache is not worth a stalled run.
+LOCK_TIMEOUT_S = 30.0
 
 
 def default_path() -> Path:
@@ -146,10 +154,14 @@ class BudgetCache:
         return dict(entry)
 
     def put(self, key: BudgetKey, max_tokens: float, *, source: str, **extra: Any) -> None:
-        """Store ``max_tokens`` for ``key``; ``source`` says who found it ("oom", "probe")."""
+        """Store ``max_tokens`` for ``key``; ``source`` says who found it ("oom", "probe").
+
+        Raises:
+            OSError: the file cannot be written, or its lock not taken within
+                ``LOCK_TIMEOUT_S`` (30) seconds (``filelock.Timeout``).
+        """
         max_tokens = _checks.positive_number("max_tokens", max_tokens)
-        data = self._read()
-        data[str(key)] = {
+        entry = {
             "max_tokens": max_tokens,
             "source": source,
             "updated": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -157,10 +169,28 @@ class BudgetCache:
             **extra,
         }
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        # Write then rename, so a crash never leaves half a file behind.
-        with tempfile.NamedTemporaryFile("w", dir=self.path.parent, delete=False, suffix=".tmp") as tmp:
-            json.dump(data, tmp, indent=2, sort_keys=True)
-        os.replace(tmp.name, self.path)
+        # Other processes (other jobs in the same home directory) may be storing their
+        # budgets at the same moment: without the lock, the last to rename wins and
+        # the entries the others added since it read the file are lost.
+        with FileLock(str(self.path) + ".lock", timeout=LOCK_TIMEOUT_S):
+            data = self._read()
+            data[str(key)] = entry
+            self._write(data)
+
+    def _write(self, data: dict[str, Any]) -> None:
+        # Write, flush to disk, then rename: readers (who take no lock) and a crash
+        # at any moment see the old file or the new one, never half of one.
+        fd, tmp = tempfile.mkstemp(dir=self.path.parent, suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w") as file:
+                json.dump(data, file, indent=2, sort_keys=True)
+                file.flush()
+                os.fsync(file.fileno())
+            os.replace(tmp, self.path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
 
 
 def remember_budget(fallback: OOMFallback, key: BudgetKey, cache: BudgetCache | None = None) -> None:
