@@ -17,8 +17,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
 from oom_common import collate, flat_params, loss_fn, make_rows, quiet, tiny_bert
 
 from tokenbatch import OOMFallback, SampleTooLargeError, TokenBudgetBatchSampler, remember_budget
-from tokenbatch.budget_cache import BudgetCache, BudgetKey
 from tokenbatch.oom import Halve, Split
+from tokenbatch.probe import BudgetCache, BudgetKey
 from tokenbatch.testing import inject_oom
 
 quiet()

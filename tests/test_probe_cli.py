@@ -11,9 +11,9 @@ import pytest
 import torch
 from transformers import BertConfig
 
-from tokenbatch.budget_cache import BudgetCache, BudgetKey
 from tokenbatch.cli import main
 from tokenbatch.cli.probe import parse_bytes
+from tokenbatch.probe import BudgetCache, BudgetKey
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -1,11 +1,10 @@
 """tokenbatch: length-aware dynamic batching under a token budget, with an OOM fallback."""
 
-from tokenbatch.budget_cache import BudgetCache, BudgetKey, remember_budget
 from tokenbatch.cost import CostModel
 from tokenbatch.lengths import column_lengths, text_lengths
 from tokenbatch.oom import OOMEvent, OOMFallback, RankFailedError, SampleTooLargeError, is_oom
 from tokenbatch.plan import OversizeSampleError
-from tokenbatch.probe import ProbeResult, find_max_tokens
+from tokenbatch.probe import BudgetCache, BudgetKey, ProbeResult, find_max_tokens, remember_budget
 from tokenbatch.sampler import TokenBudgetBatchSampler
 from tokenbatch.stats import PlanStats
 

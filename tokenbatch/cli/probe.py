@@ -145,7 +145,7 @@ def run(args: argparse.Namespace) -> int:
     )
     cache_entry = None
     if args.write_cache:
-        from tokenbatch.budget_cache import BudgetCache, BudgetKey
+        from tokenbatch.probe import BudgetCache, BudgetKey
 
         key = BudgetKey.for_device(
             args.model, device=result.device, dtype=args.dtype, world_size=args.world_size

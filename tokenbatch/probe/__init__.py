@@ -20,6 +20,12 @@ One :class:`MemoryModel` describes peak memory, whether :func:`fit_memory`
 fitted it to measured steps (``result.fit``) or :meth:`MemoryModel.from_config`
 estimated it from a transformers config without running anything.
 
+What was found is worth keeping: :class:`BudgetCache` is a small JSON file of
+budgets that worked, keyed by :class:`BudgetKey` (model, device and memory,
+dtype, world size); ``tokenbatch probe --write-cache`` stores what it measured,
+and :func:`remember_budget` starts an OOM fallback from the cached budget and
+records each budget it falls back to.
+
 Typical use, before building the sampler::
 
     result = find_max_tokens(model, lengths=lengths, memory_limit=8 * 2**30)
@@ -56,6 +62,7 @@ that dominates only for tiny batches.
 """
 
 from tokenbatch._analytic import TASKS, resolve_task, stores_attention_scores
+from tokenbatch.probe._cache import BudgetCache, BudgetKey, default_path, remember_budget
 from tokenbatch.probe._find import ProbeResult, default_memory_limit, find_max_tokens, measure_peak
 from tokenbatch.probe._fit import Measurement, fit_memory
 from tokenbatch.probe._measure import held_bytes
@@ -64,6 +71,8 @@ from tokenbatch.probe._synthetic import LossFn, MakeBatch, default_loss, synthet
 
 __all__ = [
     "TASKS",
+    "BudgetCache",
+    "BudgetKey",
     "LossFn",
     "MakeBatch",
     "Measurement",
@@ -73,11 +82,13 @@ __all__ = [
     "ProbeResult",
     "default_loss",
     "default_memory_limit",
+    "default_path",
     "estimate_memory",
     "find_max_tokens",
     "fit_memory",
     "held_bytes",
     "measure_peak",
+    "remember_budget",
     "resolve_task",
     "stores_attention_scores",
     "synthetic_batch",
