@@ -13,7 +13,7 @@ sdpa, which on CPU with dropout runs the math kernel) on CPU:
   bisects the budget; twice, with ``MALLOC_MMAP_THRESHOLD_=65536`` (address
   space tracks tensor bytes) and with glibc's default allocator settings;
 * the search method's budget and time, and the analytic estimate
-  (``tokenbatch.memory_model``) against the fit.
+  (``tokenbatch.probe.MemoryModel.from_config``) against the fit.
 
 Usage: ``python -m benchmarks.probe [--quick] [--out DIR]``. ``--quick`` runs
 the tiny BERT only (a MiniLM probe alone takes most of a minute on CPU: every
@@ -334,7 +334,7 @@ def markdown(rows: Sequence[dict[str, Any]]) -> str:
         "token units. 'Largest real' = largest budget whose worst-case batches train in a child "
         "process under RLIMIT_AS set to the same memory limit. Other agents share this machine, "
         "so times are indicative only.\n\n"
-        f"{table}\n\nAnalytic estimate (tokenbatch.memory_model) over the fitted terms:\n\n{analytic}\n"
+        f"{table}\n\nAnalytic estimate (tokenbatch.probe.MemoryModel.from_config) over the fitted terms:\n\n{analytic}\n"
     )
 
 
