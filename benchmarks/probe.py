@@ -334,7 +334,8 @@ def markdown(rows: Sequence[dict[str, Any]]) -> str:
         "token units. 'Largest real' = largest budget whose worst-case batches train in a child "
         "process under RLIMIT_AS set to the same memory limit. Other agents share this machine, "
         "so times are indicative only.\n\n"
-        f"{table}\n\nAnalytic estimate (tokenbatch.probe.MemoryModel.from_config) over the fitted terms:\n\n{analytic}\n"
+        f"{table}\n\nAnalytic estimate (tokenbatch.probe.MemoryModel.from_config) "
+        f"over the fitted terms:\n\n{analytic}\n"
     )
 
 
