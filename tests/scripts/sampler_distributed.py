@@ -40,6 +40,9 @@ def main(out: str) -> None:
         with open(out, "w") as handle:
             json.dump(report, handle)
     accelerator.wait_for_everyone()
+    # A gloo group left for interpreter teardown can abort a rank ("terminate called without
+    # an active exception") when the machine is busy; end it while both ranks are here.
+    accelerator.end_training()
 
 
 if __name__ == "__main__":
