@@ -49,6 +49,17 @@ def non_negative_int(name: str, value: Any) -> int:
     return int(value)
 
 
+def boolean(name: str, value: Any) -> bool:
+    """Return ``value`` as a bool, or raise if it is not ``True`` or ``False``.
+
+    ``bool(value)`` would turn ``"False"`` or ``"no"`` into ``True``; like torch's
+    ``BatchSampler`` we refuse anything but a real bool (numpy's included).
+    """
+    if isinstance(value, bool | np.bool_):
+        return bool(value)
+    raise TypeError(f"{name} should be True or False, but got {name}={value!r}")
+
+
 def one_of(name: str, value: Any, choices: tuple[str, ...]) -> str:
     """Return ``value`` if it is one of ``choices``, else raise naming them."""
     if value not in choices:

@@ -148,7 +148,7 @@ class OOMFallback:
             cost=sampler.cost,
             weight=weight,
             pad_token_id=pad_token_id,
-            trim=bool(trim_padding),
+            trim=_checks.boolean("trim_padding", trim_padding),
         )
         self._micro_tokens = sampler.max_tokens  # split mode: the budget one forward/backward must fit
         self._cursor = EpochCursor(sampler)
