@@ -88,6 +88,7 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
     Args:
         lengths: the padded length of every example, as the collator will pad
             it (list, numpy array or tensor of ints >= 1).
+            A column of token lists (``ds["input_ids"]``) gives each row's len().
         max_tokens: the budget for one batch, in ``cost`` units (padded tokens
             with the default cost).
         cost: the memory estimate; ``CostModel()`` counts padded tokens.
