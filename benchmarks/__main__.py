@@ -5,6 +5,8 @@ setting in one cannot skew the next), with the repository on ``PYTHONPATH``.
 Modules not written yet are skipped with a note. Afterwards
 ``benchmarks.report`` draws the plots and assembles ``RESULTS.md``: into
 ``benchmarks/RESULTS.md`` for the default ``--out``, else into ``DIR``.
+``--quick`` defaults to ``--out benchmarks/results-quick``, so that it never
+overwrites the committed results; pass ``--out`` to choose.
 The exit status is 1 if any benchmark failed.
 """
 
@@ -33,7 +35,7 @@ def run_module(name: str, quick: bool, out: Path) -> tuple[str, float]:
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(common.REPO), env.get("PYTHONPATH")) if p)
     env.setdefault("HF_HUB_OFFLINE", "1")  # everything needed ships in packages or ../shared
     command = [sys.executable, "-m", f"benchmarks.{name}", *(["--quick"] if quick else [])]
-    if out != common.RESULTS.resolve():  # the default stays implicit, so recorded commands are portable
+    if out != common.output_folder(None, quick).resolve():  # implicit defaults keep commands portable
         command += ["--out", str(out)]
     print(f"[benchmarks] {name}: {' '.join(command[1:])}", flush=True)
     start = time.perf_counter()
@@ -47,13 +49,15 @@ def run_module(name: str, quick: bool, out: Path) -> tuple[str, float]:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="the quick version of every benchmark")
-    parser.add_argument("--out", type=Path, default=common.RESULTS, help="where results go")
+    parser.add_argument(
+        "--out", type=Path, help="where results go (default benchmarks/results; results-quick with --quick)"
+    )
     parser.add_argument(
         "--only", action="append", choices=MODULES, metavar="NAME", help=f"run only NAME, one of {MODULES}"
     )
     parser.add_argument("--no-report", action="store_true", help="do not draw plots or write RESULTS.md")
     args = parser.parse_args(argv)
-    out = args.out.resolve()
+    out = common.output_folder(args.out, args.quick).resolve()
     statuses = {name: run_module(name, args.quick, out) for name in (args.only or MODULES)}
     print("[benchmarks] summary:")
     for name, (status, seconds) in statuses.items():

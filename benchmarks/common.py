@@ -2,8 +2,10 @@
 
 Every benchmark is a module ``benchmarks/<name>.py`` with ``main(argv=None)``
 that accepts ``--quick`` (about a minute on a 2-core CPU) and ``--out DIR``
-(default ``benchmarks/results``) and writes ``<name>.json`` (machine-readable)
-and ``<name>.md`` (a Markdown table headed by the command that made it).
+(default ``benchmarks/results``; ``benchmarks/results-quick`` with ``--quick``,
+so quick numbers never replace the committed ones) and writes ``<name>.json``
+(machine-readable) and ``<name>.md`` (a Markdown table headed by the command
+that made it).
 """
 
 from __future__ import annotations
@@ -23,6 +25,16 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
+#: Where ``--quick`` runs write unless given ``--out`` (gitignored): quick numbers must not
+#: overwrite the committed benchmarks/results and benchmarks/RESULTS.md.
+QUICK_RESULTS = REPO / "benchmarks" / "results-quick"
+
+
+def output_folder(out: Path | None, quick: bool) -> Path:
+    """``--out`` when given, else ``QUICK_RESULTS`` for a ``--quick`` run and ``RESULTS`` for a full one."""
+    if out is not None:
+        return out
+    return QUICK_RESULTS if quick else RESULTS
 
 
 def data_dir() -> Path | None:
@@ -94,11 +106,27 @@ def machine_info() -> dict[str, Any]:
     }
 
 
+class _Parser(argparse.ArgumentParser):
+    """Resolves ``--out`` once ``--quick`` is known (argparse defaults cannot depend on each other)."""
+
+    def parse_known_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        parsed, rest = super().parse_known_args(args, namespace)
+        parsed.out = output_folder(parsed.out, parsed.quick)
+        return parsed, rest
+
+
 def parser(name: str, description: str) -> argparse.ArgumentParser:
     """An argument parser with the options every benchmark takes."""
-    result = argparse.ArgumentParser(prog=f"python -m benchmarks.{name}", description=description)
+    result = _Parser(prog=f"python -m benchmarks.{name}", description=description)
     result.add_argument("--quick", action="store_true", help="a small run, about a minute on 2 CPU cores")
-    result.add_argument("--out", type=Path, default=RESULTS, help="where to write <name>.json and .md")
+    result.add_argument(
+        "--out",
+        type=Path,
+        help="where to write <name>.json and .md (default benchmarks/results; "
+        "benchmarks/results-quick with --quick)",
+    )
     return result
 
 

@@ -38,6 +38,8 @@ def quick_results(tmp_path_factory: pytest.TempPathFactory) -> Path:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
     env.update(HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    committed = [REPO / "benchmarks" / "RESULTS.md", *common.RESULTS.glob("*.*")]
+    before = {path: path.read_bytes() for path in committed}
     done = subprocess.run(
         [sys.executable, "-m", "benchmarks", "--quick", "--out", str(out)],
         cwd=REPO,
@@ -48,6 +50,7 @@ def quick_results(tmp_path_factory: pytest.TempPathFactory) -> Path:
         check=False,
     )
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    assert {path: path.read_bytes() for path in committed} == before, "a quick run rewrote committed results"
     return out
 
 

@@ -205,7 +205,7 @@ def lengths_error_cases() -> list[tuple[Any, type[Exception], str]]:
         ([3.0, 2.5], ValueError, r"lengths\[1\]=2.5"),
         ([3.0, float("nan")], ValueError, r"lengths\[1\]=nan"),
         (["a", "b"], TypeError, "should hold integers"),
-        ([[1, 2], [3, 4]], ValueError, "one-dimensional"),
+        (np.array([[1, 2], [3, 4]]), ValueError, "one-dimensional"),  # a list of lists is token lists
         ([True, False], TypeError, "should hold integers"),
     ]
 

@@ -53,6 +53,7 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
     Args:
         lengths: the padded length of every example, as the collator will pad
             it (list, numpy array or tensor of ints >= 1).
+            A column of token lists (``ds["input_ids"]``) gives each row's len().
         max_tokens: the budget for one batch, in ``cost`` units (padded tokens
             with the default cost).
         cost: the memory estimate; ``CostModel()`` counts padded tokens.
@@ -102,13 +103,13 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
         self.cost = CostModel() if cost is None else cost
         if not isinstance(self.cost, CostModel):
             raise TypeError(f"cost should be a tokenbatch.CostModel, but got cost={cost!r}")
-        self.shuffle = bool(shuffle)
+        self.shuffle = _checks.boolean("shuffle", shuffle)
         self.seed = _checks.non_negative_int("seed", seed)
         self.max_batch_size = (
             None if max_batch_size is None else _checks.positive_int("max_batch_size", max_batch_size)
         )
         self.batch_size_multiple = _checks.positive_int("batch_size_multiple", batch_size_multiple)
-        self.drop_last = bool(drop_last)
+        self.drop_last = _checks.boolean("drop_last", drop_last)
         self.oversize = _checks.one_of("oversize", oversize, OVERSIZE_POLICIES)
         self._num_replicas = (
             None if num_replicas is None else _checks.positive_int("num_replicas", num_replicas)

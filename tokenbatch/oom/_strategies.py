@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from tokenbatch import _checks
 from tokenbatch.cost import CostModel
 from tokenbatch.oom._split import BatchShape, Piece, inspect_batch, split_batch
 
@@ -75,7 +76,7 @@ class Split(Strategy):
             raise ValueError(
                 f"weight should be 'samples', 'tokens' or a function, but got weight={self.weight!r}"
             )
-        object.__setattr__(self, "trim_padding", bool(self.trim_padding))
+        object.__setattr__(self, "trim_padding", _checks.boolean("trim_padding", self.trim_padding))
 
     def split_budget(self, micro_tokens: float, sampler_tokens: float) -> float | None:
         # Until a first out-of-memory error the batches run as planned, oversize ones included.
