@@ -16,6 +16,7 @@ Inside the package:
 - ``_guard``: :class:`OOMFallback`, the budgets and the step protocol;
 - ``_strategies``: :class:`Split` and :class:`Halve`;
 - ``_attempt``: one attempt of a step on this rank, with no collective;
+- ``_accumulate``: the gradients accumulated before a step, kept through its failure;
 - ``_outcome``: how each rank's attempt went, shared in one all-reduce, and
   the rule that derives the next :class:`OOMEvent` from it;
 - ``_ddp``: the stand-in for DDP's reducer (``no_sync``, buffer broadcast,
