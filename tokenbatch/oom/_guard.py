@@ -15,6 +15,7 @@ from tokenbatch.oom._accumulate import KeptGradients
 from tokenbatch.oom._attempt import ForwardBackward, StepWork
 from tokenbatch.oom._detect import free_memory
 from tokenbatch.oom._events import OOMEvent, SampleTooLargeError
+from tokenbatch.oom._optimizer import guarded_step
 from tokenbatch.oom._outcome import Outcome, next_event, raise_on_every_rank, share
 from tokenbatch.oom._strategies import Strategy, as_strategy
 from tokenbatch.plan import OversizeSampleError
@@ -83,8 +84,12 @@ class OOMFallback:
         for batch in fallback.iterate(train_dataloader):
             loss = fallback.backward(batch, lambda b: model(**b).loss)
             if loss is not None:  # None: the step was dropped (halve mode)
-                optimizer.step()
+                fallback.step(optimizer)  # optimizer.step(), guarded too
                 optimizer.zero_grad()
+
+    ``fallback.step(optimizer)``: on out-of-memory in ``optimizer.step()`` (Adam's first step allocates
+    its states), free memory and try once more if the failed step changed nothing, else raise
+    :class:`~tokenbatch.oom.OptimizerOOMError` on every rank.
 
     Example:
         >>> import torch
@@ -212,6 +217,15 @@ class OOMFallback:
         self._listeners.append(callback)
 
     # -- the loop ------------------------------------------------------------------
+
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        """``optimizer.step()`` on every rank together; out of memory: free memory and retry once, or raise.
+
+        Raises:
+            ~tokenbatch.oom.OptimizerOOMError: on every rank, naming the optimizer and the failed allocation.
+            RankFailedError: another rank's step raised an error that is not out-of-memory.
+        """
+        guarded_step(optimizer, where=f"epoch {self.sampler.epoch}, step {max(self.steps_done - 1, 0)}")
 
     def iterate(self, dataloader: Iterable[T]) -> Iterator[T]:
         """The batches of ``dataloader`` for this epoch, across any re-plans.
