@@ -96,3 +96,44 @@ def test_other_errors_in_the_step_pass_through_unchanged() -> None:
     with pytest.raises(ValueError, match="not an OOM") as info:
         fallback.step(optimizer)
     assert optimizer.calls == 1 and not isinstance(info.value, OptimizerOOMError)
+
+
+def _mutate(optimizer: torch.optim.Optimizer, how: str) -> None:
+    first, second = optimizer.param_groups[0]["params"]
+    with torch.no_grad():
+        if how == "new_state":  # what Adam's first step allocates, before it updates anything
+            optimizer.state[second]["exp_avg"] = torch.zeros_like(second)
+        elif how == "new_state_updated":
+            optimizer.state[second]["exp_avg"] = torch.zeros_like(second).add_(1.0)
+        elif how == "old_state_updated":
+            optimizer.state[first]["exp_avg"].mul_(0.9)
+        elif how == "old_state_replaced":
+            optimizer.state[first]["exp_avg"] = torch.zeros_like(first)
+        elif how == "param_updated":
+            second.add_(1.0)
+
+
+@pytest.mark.parametrize(
+    ("how", "retryable"),
+    [
+        ("nothing", True),
+        ("new_state", True),
+        ("new_state_updated", False),
+        ("old_state_updated", False),
+        ("old_state_replaced", False),
+        ("param_updated", False),
+    ],
+)
+def test_the_record_tells_what_a_failed_step_changed(how: str, retryable: bool) -> None:
+    from tokenbatch.oom._optimizer import StepRecord
+
+    first, second = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2))
+    optimizer = torch.optim.Adam([first, second])
+    first.grad = torch.ones(3)
+    optimizer.step()  # only `first` has states
+    record = StepRecord(optimizer)
+    _mutate(optimizer, how)
+    assert (record.changed() is None) == retryable
+    if retryable:
+        record.discard_new_states()
+        assert list(optimizer.state) == [first]

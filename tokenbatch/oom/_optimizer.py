@@ -23,7 +23,6 @@ retried. Parameters a failed step had already updated are not rolled back.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
 from typing import Any, cast
 
 import torch
@@ -51,27 +50,30 @@ def shows_its_changes(optimizer: Any) -> bool:
     return from_torch and not any(group.get("fused") for group in optimizer.param_groups)
 
 
-def _state_tensors(state: Any) -> Iterator[tuple[str, torch.Tensor]]:
-    for key, value in state.items():
-        if isinstance(value, torch.Tensor):
-            yield str(key), value
+def _tensors(state: Any) -> list[torch.Tensor]:
+    return [value for value in state.values() if isinstance(value, torch.Tensor)]
+
+
+def _params_version(optimizer: Any) -> int:
+    return sum(p._version for group in optimizer.param_groups for p in group["params"])
 
 
 class StepRecord:
-    """What an optimizer step can change, as it was before the step: version counters, not copies."""
+    """What an optimizer step can change, as it was before the step: version counters, not copies.
+
+    Every in-place update bumps its tensor's version counter (torch.optim's
+    for-loop updates through the dispatcher, its CUDA foreach kernels
+    explicitly) and counters only grow, so a sum tells whether any changed.
+    Taken before every step: well under a microsecond per tensor, no collective.
+    """
 
     def __init__(self, optimizer: Any) -> None:
         self.optimizer = optimizer
         self.verifiable = shows_its_changes(optimizer)
-        self.params = [p for group in optimizer.param_groups for p in group["params"]]
-        self.versions = [p._version for p in self.params]  # bumped by every in-place update
-        state = optimizer.state
-        self.new = [p for p in self.params if not state.get(p)]  # no state yet: the step creates it
-        self.old = {
-            id(p): {key: (t, t._version) for key, t in _state_tensors(state[p])}
-            for p in self.params
-            if state.get(p)
-        }
+        self.params_version = _params_version(optimizer)
+        # Each state held before the step: the dict itself, its tensors and the sum of their counters.
+        self.old = [(p, state, _tensors(state)) for p, state in optimizer.state.items() if state]
+        self.old_version = sum(t._version for _, _, tensors in self.old for t in tensors)
 
     def changed(self) -> str | None:
         """Why a retry could apply part of the failed step twice, or None if it changed nothing.
@@ -81,26 +83,29 @@ class StepRecord:
         if not self.verifiable:
             return "a fused or non-torch.optim update cannot be checked, nor rolled back"
         begun = "its update had begun; what it updated is not rolled back"
-        if any(p._version != v for p, v in zip(self.params, self.versions, strict=True)):
+        if _params_version(self.optimizer) != self.params_version:
+            return begun
+        if sum(t._version for _, _, tensors in self.old for t in tensors) != self.old_version:
             return begun
         state = self.optimizer.state
-        for param in self.params:
-            before = self.old.get(id(param))
-            now = dict(_state_tensors(state.get(param, {})))
-            if before is None:  # created by this step: untouched since, or the update had begun
-                if any(t._version > 0 for t in now.values()):
-                    return begun
-            elif set(now) != set(before) or any(
-                now[key] is not t or t._version != v for key, (t, v) in before.items()
-            ):
+        for param, held, tensors in self.old:  # the same dicts, holding the same tensors
+            now = _tensors(held)
+            if state.get(param) is not held or len(now) != len(tensors):
+                return begun
+            if any(a is not b for a, b in zip(now, tensors, strict=True)):
+                return begun
+        old = {id(param) for param, _, _ in self.old}
+        for param, created in state.items():  # created by this step: untouched since, or the update began
+            if id(param) not in old and any(t._version > 0 for t in _tensors(created)):
                 return begun
         return None
 
     def discard_new_states(self) -> None:
         """Drop the states the failed step created, so that the optimizer is as before it."""
+        old = {id(param) for param, _, _ in self.old}
         state = self.optimizer.state
-        for param in self.new:
-            state.pop(param, None)
+        for param in [p for p in state if id(p) not in old]:
+            del state[param]
 
 
 def _try(optimizer: Any) -> tuple[Outcome, Exception | None]:
