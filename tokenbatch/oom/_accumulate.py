@@ -16,7 +16,8 @@ while earlier gradients exist, is one gradient-sized buffer more at the end of
 the backward pass: the fresh gradients, allocated as the activations are freed.
 Copying the earlier gradients before the step instead would cost the same
 buffer for the whole forward pass, at its activation peak, and a copy on every
-step that has earlier gradients.
+step that has earlier gradients. Zero gradients left by
+``zero_grad(set_to_none=False)`` count as earlier ones (the default, None, costs nothing).
 """
 
 from __future__ import annotations
