@@ -1,8 +1,9 @@
 """Surviving out-of-memory errors in training: shrink the budget and carry on, on every rank.
 
 :class:`OOMFallback` guards the forward and backward pass of each training
-step; :class:`Split` and :class:`Halve` say what it does with a step that
-ran out of memory.
+step, and ``optimizer.step()`` through ``fallback.step(optimizer)``;
+:class:`Split` and :class:`Halve` say what it does with a step that ran out
+of memory.
 
 Ranks never synchronise inside a pass that can fail: forward and backward
 run under DDP's ``no_sync()``, then one small all-reduce tells every rank
@@ -16,6 +17,8 @@ Inside the package:
 - ``_guard``: :class:`OOMFallback`, the budgets and the step protocol;
 - ``_strategies``: :class:`Split` and :class:`Halve`;
 - ``_attempt``: one attempt of a step on this rank, with no collective;
+- ``_accumulate``: the gradients accumulated before a step, kept through its failure;
+- ``_optimizer``: ``optimizer.step()`` guarded the same way (``OOMFallback.step``);
 - ``_outcome``: how each rank's attempt went, shared in one all-reduce, and
   the rule that derives the next :class:`OOMEvent` from it;
 - ``_ddp``: the stand-in for DDP's reducer (``no_sync``, buffer broadcast,
@@ -25,7 +28,7 @@ Inside the package:
 """
 
 from tokenbatch.oom._detect import free_memory, is_oom
-from tokenbatch.oom._events import OOMEvent, RankFailedError, SampleTooLargeError
+from tokenbatch.oom._events import OOMEvent, OptimizerOOMError, RankFailedError, SampleTooLargeError
 from tokenbatch.oom._guard import OOMFallback
 from tokenbatch.oom._strategies import MODES, Halve, Split
 
@@ -34,6 +37,7 @@ __all__ = [
     "Halve",
     "OOMEvent",
     "OOMFallback",
+    "OptimizerOOMError",
     "RankFailedError",
     "SampleTooLargeError",
     "Split",

@@ -19,6 +19,7 @@ from torch import nn
 
 from tokenbatch import distributed
 from tokenbatch.cost import CostModel
+from tokenbatch.oom._accumulate import KeptGradients
 from tokenbatch.oom._ddp import DDPSync, GradientAverage
 from tokenbatch.oom._detect import is_oom
 from tokenbatch.oom._outcome import Outcome, Phase
@@ -54,7 +55,6 @@ class ForwardBackward:
         """``"forward"`` or ``"backward"``: where the last attempt was."""
         self.rows: np.ndarray | None = None
         """Rows of the micro-batch last run (None: the whole batch)."""
-        self._warned_accumulation = False
 
     def params(self) -> list[nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]
@@ -67,9 +67,11 @@ class ForwardBackward:
         *,
         micro_tokens: float | None,
         sync: bool,
+        kept: KeptGradients | None = None,
     ) -> tuple[Outcome, Exception | None]:
         """Run the batch, split to ``micro_tokens`` if it costs more; never raises.
 
+        ``kept``: the gradients accumulated before the step, added in once it has run.
         Returns this rank's outcome, and the error if it was not out of memory.
         """
         self.phase, self.rows = "forward", None  # splitting counts as forward
@@ -80,6 +82,8 @@ class ForwardBackward:
                 if work.shape.cost(self.cost) > micro_tokens:
                     work.pieces = self.strategy.split(work.batch, work.shape, self.cost, micro_tokens)
             work.loss = self.run(work.batch, work.pieces, loss_fn)
+            if kept is not None:  # before the buckets, which average the group's gradients
+                kept.add_into_grads()
             if sync:  # buckets allocated here, where running out of memory is caught
                 work.average = self.ddp.gradient_average(params)
             return Outcome(), None
@@ -124,17 +128,6 @@ class ForwardBackward:
         longest = int(failed.max())
         cost = float(len(failed) * self.cost.sample_cost(longest))
         return Outcome("oom", self.phase, cost=cost, longest=longest, rows=len(failed))
-
-    def drop_grads(self, params: Sequence[nn.Parameter], had_grads: bool) -> None:
-        """Set gradients to None (what a failed or skipped step leaves is partial)."""
-        if had_grads and not self._warned_accumulation:
-            self._warned_accumulation = True
-            logger.warning(
-                "gradients accumulated before this step are dropped with the failed step's; "
-                "OOMFallback expects optimizer.zero_grad() after every optimizer.step()"
-            )
-        for param in params:
-            param.grad = None
 
 
 def _check_loss(loss: Any) -> torch.Tensor:

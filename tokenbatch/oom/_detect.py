@@ -6,7 +6,7 @@ import gc
 
 import torch
 
-from tokenbatch.oom._events import SampleTooLargeError
+from tokenbatch.oom._events import OptimizerOOMError, SampleTooLargeError
 
 # torch >= 2.5 exposes the type at the top level; before, only as torch.cuda.OutOfMemoryError.
 _TORCH_OOM: type[BaseException] = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
@@ -26,8 +26,9 @@ def is_oom(error: BaseException | None) -> bool:
     Recognises ``torch.OutOfMemoryError`` (CUDA, and XPU on recent torch) and
     everything accelerate's ``should_reduce_batch_size`` does (the CPU
     allocator, MPS, HPU, cuDNN's "not supported"), following ``__cause__``
-    and ``__context__``. A :class:`SampleTooLargeError` is the fallback's
-    final verdict and is not treated as a retryable out-of-memory error.
+    and ``__context__``. A :class:`SampleTooLargeError` or
+    :class:`OptimizerOOMError` is the fallback's final verdict and is not
+    treated as a retryable out-of-memory error.
 
     Example:
         >>> import torch
@@ -49,7 +50,7 @@ def is_oom(error: BaseException | None) -> bool:
         if current is None or id(current) in seen:
             continue
         seen.add(id(current))
-        if isinstance(current, SampleTooLargeError):
+        if isinstance(current, (SampleTooLargeError, OptimizerOOMError)):
             return False
         if isinstance(current, _TORCH_OOM) or _accelerate_says_oom(current):
             return True

@@ -1,4 +1,4 @@
-"""What the OOM guard records and raises: :class:`OOMEvent` and its two errors."""
+"""What the OOM guard records and raises: :class:`OOMEvent` and its errors."""
 
 from __future__ import annotations
 
@@ -33,6 +33,22 @@ class RankFailedError(RuntimeError):
         super().__init__(message)
         self.rank = rank
         self.error = error
+
+
+class OptimizerOOMError(RuntimeError):
+    """``optimizer.step()`` ran out of memory and freeing memory did not help (or could not be tried).
+
+    Raised on every rank by ``OOMFallback.step``, from the out-of-memory
+    error on the ranks where it happened. ``optimizer`` is the optimizer's
+    class name, ``ranks`` the ranks that failed, ``retried`` whether they
+    had tried again after freeing memory.
+    """
+
+    def __init__(self, message: str, *, optimizer: str, ranks: tuple[int, ...], retried: bool) -> None:
+        super().__init__(message)
+        self.optimizer = optimizer
+        self.ranks = ranks
+        self.retried = retried
 
 
 @dataclass(frozen=True)

@@ -11,9 +11,11 @@ from torch import nn
 
 from tokenbatch import _checks, distributed
 from tokenbatch._epoch import EpochCursor
+from tokenbatch.oom._accumulate import KeptGradients
 from tokenbatch.oom._attempt import ForwardBackward, StepWork
 from tokenbatch.oom._detect import free_memory
 from tokenbatch.oom._events import OOMEvent, SampleTooLargeError
+from tokenbatch.oom._optimizer import guarded_step
 from tokenbatch.oom._outcome import Outcome, next_event, raise_on_every_rank, share
 from tokenbatch.oom._strategies import Strategy, as_strategy
 from tokenbatch.plan import OversizeSampleError
@@ -66,11 +68,13 @@ class OOMFallback:
     it); not with FSDP or DeepSpeed, which shard gradients themselves. The
     guard owns gradient synchronisation (see :mod:`tokenbatch.oom`): it runs
     DDP under ``no_sync()`` and averages gradients itself once every rank has
-    said its step succeeded. A failed step's gradients are set to None, so
-    zero them after every optimizer step (no accumulation across ``backward``
-    calls). Split mode matches an unsplit run up to floating point when the
-    model is deterministic (no dropout); with dropout, micro-batches draw
-    different masks.
+    said its step succeeded. Gradient accumulation (``accelerator.accumulate``,
+    or several ``backward`` calls per optimizer step) works in both modes: a
+    step runs into fresh gradients and adds the group's earlier ones on
+    success, so a failed or dropped step loses only its own (this costs one
+    gradient-sized buffer while earlier gradients exist). Split mode matches
+    an unsplit run up to floating point when the model is deterministic (no
+    dropout); with dropout, micro-batches draw different masks.
 
     To start from the budget an earlier run ended with, and remember each
     new one, see :func:`tokenbatch.remember_budget`.
@@ -80,8 +84,12 @@ class OOMFallback:
         for batch in fallback.iterate(train_dataloader):
             loss = fallback.backward(batch, lambda b: model(**b).loss)
             if loss is not None:  # None: the step was dropped (halve mode)
-                optimizer.step()
+                fallback.step(optimizer)  # optimizer.step(), guarded too
                 optimizer.zero_grad()
+
+    ``fallback.step(optimizer)``: on out-of-memory in ``optimizer.step()`` (Adam's first step allocates
+    its states), free memory and try once more if the failed step changed nothing, else raise
+    :class:`~tokenbatch.oom.OptimizerOOMError` on every rank.
 
     Example:
         >>> import torch
@@ -210,6 +218,15 @@ class OOMFallback:
 
     # -- the loop ------------------------------------------------------------------
 
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        """``optimizer.step()`` on every rank together; out of memory: free memory and retry once, or raise.
+
+        Raises:
+            ~tokenbatch.oom.OptimizerOOMError: on every rank, naming the optimizer and the failed allocation.
+            RankFailedError: another rank's step raised an error that is not out-of-memory.
+        """
+        guarded_step(optimizer, where=f"epoch {self.sampler.epoch}, step {max(self.steps_done - 1, 0)}")
+
     def iterate(self, dataloader: Iterable[T]) -> Iterator[T]:
         """The batches of ``dataloader`` for this epoch, across any re-plans.
 
@@ -241,17 +258,19 @@ class OOMFallback:
         step = self._cursor.current_step()
         passes = self._passes
         params = passes.params()
-        had_grads = any(p.grad is not None for p in params)
-        with passes.ddp.step(self.accelerator) as sync:
+        # Accumulation: the step runs into fresh gradients; the group's earlier ones survive a failure.
+        with passes.ddp.step(self.accelerator) as sync, KeptGradients(params) as kept:
             work = StepWork(batch)
             attempt = 0
             while True:
                 outcome, error = Outcome(), None
                 if work.loss is None:
                     micro = self._strategy.split_budget(self._micro_tokens, self.sampler.max_tokens)
-                    outcome, error = passes.attempt(work, loss_fn, params, micro_tokens=micro, sync=sync)
+                    outcome, error = passes.attempt(
+                        work, loss_fn, params, micro_tokens=micro, sync=sync, kept=kept
+                    )
                     if outcome.status == "oom":
-                        passes.drop_grads(params, had_grads)
+                        kept.drop_step()
                         free_memory()
                 flags = [p.grad is not None for p in params] if sync else []
                 outcomes, any_grad = share(outcome, flags)
@@ -271,13 +290,14 @@ class OOMFallback:
                 )
                 self._record(event)
                 if not self._strategy.keeps_step:
-                    passes.drop_grads(params, had_grads)  # the step is dropped on every rank
+                    kept.restore()  # the step is dropped on every rank; the group's earlier gradients stay
                     self._replan(event)
                     return None
                 self._micro_tokens = event.new_max_tokens  # and try again, in smaller micro-batches
                 attempt += 1
             if work.average is not None:
                 work.average.average_into_grads(any_grad)
+            kept.release()
         self._cursor.steps_done = step + 1
         if self._unreported:
             self._unreported = False
