@@ -9,4 +9,7 @@ Each integration is its own module, imported on demand, so that
 - :mod:`tokenbatch.integrations.transformers`: :class:`TokenBudgetTrainer`, a
   transformers ``Trainer`` that batches by token budget and survives
   out-of-memory errors without restarting the run.
+- :mod:`tokenbatch.integrations.lightning`: :class:`TokenBudgetCallback`, which
+  shards the sampler across Lightning's processes and starts each epoch's plan,
+  and ``oom_fallback`` for manual optimisation.
 """

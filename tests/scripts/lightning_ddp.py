@@ -1,0 +1,87 @@
+"""Lightning on 2 real processes (``Trainer(devices=2, strategy="ddp")``, gloo), run by
+tests/test_integration_lightning.py.
+
+Usage: python lightning_ddp.py OUT_DIR
+
+Lightning's own launcher starts the second process (it runs this script again
+with ``LOCAL_RANK=1``). The scenarios run one after the other in the same two
+processes; each writes what the test checks (the batches each rank trained per
+epoch, losses, events, final parameters, or the error raised) to
+``OUT_DIR/rank{r}.pt``.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from lightning_common import Recorder, make_rows, make_sampler, quiet, trainer
+
+from tokenbatch.integrations.lightning import TokenBudgetCallback
+from tokenbatch.testing import inject_oom
+
+LIMIT = 100  # rank 1's first batch above this many padded tokens "runs out of memory"
+
+
+def fit(module: Recorder, *, callback: TokenBudgetCallback | None, **options: Any) -> dict[str, Any]:
+    """Fit on 2 processes; what this rank trained, or the error it raised."""
+    callbacks = [] if callback is None else [callback]
+    options.setdefault("use_distributed_sampler", False)
+    run = trainer(devices=2, strategy="ddp", callbacks=callbacks, **options)
+    try:
+        run.fit(module)
+    except Exception as error:
+        return {"error": f"{type(error).__name__}: {error}"}
+    fallback = module.fallback
+    return {
+        "batches": module.batches,
+        "losses": module.losses,
+        "params": module.flat_params(),
+        "rank": None if module.sampler is None else module.sampler.rank,
+        "events": [] if fallback is None else [event.as_dict() for event in fallback.events],
+        "max_tokens": None if fallback is None else fallback.max_tokens,
+    }
+
+
+def main(out: Path) -> None:
+    quiet()
+    rows = make_rows()
+    results: dict[str, Any] = {}
+    sampler = make_sampler(rows)
+    results["auto"] = fit(Recorder(rows, sampler), callback=TokenBudgetCallback(sampler))
+    sampler = make_sampler(rows)
+    results["reference"] = fit(Recorder(rows, sampler, manual=True), callback=TokenBudgetCallback(sampler))
+    sampler = make_sampler(rows)
+    module = Recorder(rows, sampler, manual=True)
+    with inject_oom(module.net, max_tokens=LIMIT, ranks={1}, times=1) as injector:
+        results["oom_split"] = fit(module, callback=TokenBudgetCallback(sampler))
+    results["oom_split"]["injected"] = injector.count
+    sampler = make_sampler(rows)
+    results["halve"] = fit(
+        Recorder(rows, sampler, manual=True, mode="halve"), callback=TokenBudgetCallback(sampler)
+    )
+    # A sampler made inside train_dataloader() with rank=self.trainer.global_rank: found, given its epochs.
+    results["rank_in_hook"] = fit(Recorder(rows, None, rank_in_hook=True), callback=TokenBudgetCallback())
+    # The sampler made inside train_dataloader() without rank=: refused, not trained twice.
+    results["unsharded"] = fit(Recorder(rows, None), callback=TokenBudgetCallback())
+    # Lightning's default sampler replacement: refused in setup with the fix ...
+    sampler = make_sampler(rows)
+    results["replacement"] = fit(
+        Recorder(rows, sampler), callback=TokenBudgetCallback(sampler), use_distributed_sampler=True
+    )
+    # ... where without the callback Lightning fails with a bare TypeError.
+    results["replacement_no_callback"] = fit(
+        Recorder(rows, make_sampler(rows)), callback=None, use_distributed_sampler=True
+    )
+    rank = torch.distributed.get_rank()
+    torch.save(results, out / f"rank{rank}.pt")
+    torch.distributed.barrier()  # rank 0 leaves only once rank 1 has written its results
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))

@@ -1,0 +1,250 @@
+"""Lightning: a :class:`~tokenbatch.TokenBudgetBatchSampler` in a ``LightningModule``, on one process or many.
+
+What Lightning (2.x) does with a batch sampler, and what this module does about it:
+
+- Under DDP with the default ``Trainer(use_distributed_sampler=True)``, Lightning
+  rebuilds a custom batch sampler around a ``DistributedSampler`` by calling its
+  class as ``cls(sampler, batch_size=..., drop_last=...)``. A token-budget sampler
+  plans from lengths, not from a sampler, and shards itself, so this cannot work:
+  :class:`TokenBudgetCallback` asks for ``use_distributed_sampler=False`` before
+  Lightning fails with a bare ``TypeError``.
+- With the replacement off, nothing tells the sampler its rank and every process
+  would train every sample: the callback sets each sampler's ``rank`` to the
+  trainer's ``global_rank`` in ``setup`` (before ``train_dataloader()`` is called),
+  and refuses a sampler it finds in the training DataLoader unsharded.
+- Lightning calls ``set_epoch`` on ``dataloader.sampler`` and on
+  ``dataloader.batch_sampler.sampler``, never on the batch sampler itself, so every
+  epoch would get the same plan: the callback calls ``set_epoch`` at the start of
+  each epoch, before Lightning makes that epoch's DataLoader iterator.
+- Lightning owns the training loop, so the DataLoader cannot be iterated afresh
+  after a re-plan: :func:`oom_fallback` gives an :class:`~tokenbatch.OOMFallback`
+  in split mode for manual optimisation, and refuses halve mode.
+
+Example::
+
+    from tokenbatch.integrations.lightning import TokenBudgetCallback
+
+    sampler = TokenBudgetBatchSampler(lengths, max_tokens=4096, seed=0)
+    # in the LightningModule: DataLoader(train_set, batch_sampler=sampler, collate_fn=...)
+    trainer = Trainer(devices=2, strategy="ddp", use_distributed_sampler=False,
+                      callbacks=[TokenBudgetCallback(sampler)])
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+try:
+    import lightning.pytorch as pl
+except ImportError as error:  # an optional extra: say how to get it
+    raise ImportError(
+        "tokenbatch.integrations.lightning needs Lightning 2.x (the `lightning` package); install it "
+        "with: pip install 'tokenbatch[lightning]'"
+    ) from error
+
+from tokenbatch import OOMFallback, TokenBudgetBatchSampler
+
+__all__ = ["TokenBudgetCallback", "oom_fallback"]
+
+
+class TokenBudgetCallback(pl.Callback):
+    """Shards token-budget samplers across Lightning's processes and gives every epoch its own plan.
+
+    Args:
+        *samplers: the :class:`~tokenbatch.TokenBudgetBatchSampler` of each
+            DataLoader that uses one (training, and validation or test if they
+            do), made before ``trainer.fit``. In ``setup`` each one is given the
+            trainer's ``global_rank``, so that it yields only this process's
+            batches. A sampler made later, inside ``train_dataloader()``, needs
+            ``rank=self.trainer.global_rank`` there; the callback finds it in the
+            training DataLoader and calls its ``set_epoch`` too.
+
+    On several processes it needs ``Trainer(use_distributed_sampler=False)``
+    and raises a ``ValueError`` in ``setup`` without it. Validation and test
+    DataLoaders are then not sharded by Lightning either: give them a
+    ``TokenBudgetBatchSampler(..., shuffle=False)`` passed to this callback
+    (every sample scored exactly once), or a ``DistributedSampler`` of your own.
+    """
+
+    def __init__(self, *samplers: TokenBudgetBatchSampler) -> None:
+        for sampler in samplers:
+            if not isinstance(sampler, TokenBudgetBatchSampler):
+                raise TypeError(
+                    f"samplers should be tokenbatch.TokenBudgetBatchSampler objects, but got a "
+                    f"{type(sampler).__name__}"
+                )
+        self.samplers = list(samplers)
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        world = trainer.world_size
+        if world > 1 and _replaces_samplers(trainer):
+            raise ValueError(
+                f"use_distributed_sampler should be False for TokenBudgetBatchSampler on {world} "
+                f"processes, but got use_distributed_sampler=True (the Trainer's default): Lightning "
+                f"would rebuild the sampler around a DistributedSampler as TokenBudgetBatchSampler("
+                f"sampler, batch_size=..., drop_last=...), which fails, and the sampler shards itself. "
+                f"Pass Trainer(..., use_distributed_sampler=False) and keep TokenBudgetCallback in "
+                f"callbacks; shard any other validation or test DataLoader yourself (for example with "
+                f"DistributedSampler(dataset, shuffle=False))"
+            )
+        for sampler in self.samplers:
+            _shard(sampler, trainer)
+            # Now, not at the epoch's start: Lightning makes the first epoch's DataLoader iterator
+            # (and its workers read ahead) before any epoch hook, and a sampler used by an
+            # earlier fit would still be at that fit's last epoch.
+            sampler.set_epoch(trainer.current_epoch)
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        for sampler in _samplers_in(trainer.train_dataloader):
+            if sampler not in self.samplers:
+                _check_sharded(sampler, trainer)
+        self._start_epoch(trainer)
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # From the second epoch on, Lightning calls this before it makes the epoch's iterator.
+        self._start_epoch(trainer)
+
+    def _start_epoch(self, trainer: pl.Trainer) -> None:
+        found = [s for s in _samplers_in(trainer.train_dataloader) if s not in self.samplers]
+        for sampler in [*self.samplers, *found]:
+            sampler.set_epoch(trainer.current_epoch)
+
+
+def oom_fallback(
+    module: pl.LightningModule,
+    sampler: TokenBudgetBatchSampler,
+    *,
+    mode: Any = "split",
+    factor: float = 0.5,
+    min_tokens: float | None = None,
+) -> OOMFallback:
+    """An :class:`~tokenbatch.OOMFallback` for a ``LightningModule``'s manual optimisation.
+
+    Make it once the trainer has set its strategy up (in ``on_train_start``, or at
+    the first ``training_step``); then in ``training_step``::
+
+        opt = self.optimizers()
+        loss = self.fallback.backward(batch, lambda b: self.net(**b).loss)
+        opt.step()
+        opt.zero_grad()
+
+    The fallback guards ``self.trainer.strategy.model`` (DDP-wrapped on several
+    processes): it runs forward and backward under DDP's ``no_sync()``, with the
+    backward pass through ``module.manual_backward`` as in any manual step (so
+    Lightning's precision plugin and backward hooks see it), and averages
+    the gradients itself once every rank has succeeded. On out-of-memory, the
+    planned batch is run again as micro-batches; no sample is lost or repeated.
+
+    Args:
+        module: the ``LightningModule``, with ``self.automatic_optimization = False``.
+        sampler: the training DataLoader's :class:`~tokenbatch.TokenBudgetBatchSampler`.
+        mode, factor, min_tokens: as for :class:`~tokenbatch.OOMFallback`; only
+            split mode works under Lightning.
+
+    Raises:
+        ValueError: automatic optimisation, halve mode, or a strategy other than
+            DDP on several processes (FSDP and DeepSpeed shard gradients themselves).
+    """
+    if module.automatic_optimization:
+        raise ValueError(
+            "automatic_optimization should be False for OOMFallback, but got automatic_optimization=True: "
+            "the fallback runs the backward pass itself (again, as micro-batches, after running out of "
+            "memory). Set self.automatic_optimization = False in __init__ and step in training_step: "
+            "loss = fallback.backward(batch, loss_fn); opt.step(); opt.zero_grad()"
+        )
+    trainer = module.trainer
+    model = trainer.strategy.model
+    if model is None:
+        raise ValueError(
+            "the trainer's strategy has no model yet; make the fallback in on_train_start or in training_step"
+        )
+    if trainer.world_size > 1 and not isinstance(model, DistributedDataParallel):
+        raise ValueError(
+            f"strategy should be DDP (strategy='ddp' or 'ddp_spawn') for OOMFallback on "
+            f"{trainer.world_size} processes, but got strategy={type(trainer.strategy).__name__}; FSDP "
+            f"and DeepSpeed shard gradients themselves"
+        )
+    fallback = OOMFallback(
+        sampler, model, accelerator=_ManualBackward(module), mode=mode, factor=factor, min_tokens=min_tokens
+    )
+    if fallback.mode != "split":
+        raise ValueError(
+            f"mode should be 'split' under Lightning, but got mode={fallback.mode!r}: halve mode re-plans "
+            f"the rest of the epoch, which needs the DataLoader iterated afresh (OOMFallback.iterate), "
+            f"and Lightning owns the training loop (it would end the epoch early, on batches fetched from "
+            f"the old plan). Use mode='split': it keeps every planned batch and runs one that does not "
+            f"fit as micro-batches"
+        )
+    return fallback
+
+
+class _ManualBackward:
+    """What :class:`~tokenbatch.OOMFallback` uses of an accelerator, done the Lightning way."""
+
+    sync_gradients = True  # the fallback averages gradients after every successful step
+
+    def __init__(self, module: pl.LightningModule) -> None:
+        self.module = module
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.module.manual_backward(loss)
+
+
+def _replaces_samplers(trainer: pl.Trainer) -> bool:
+    """Whether Lightning will put a ``DistributedSampler`` into the DataLoaders.
+
+    Lightning keeps the flag only on a private connector; if a later release
+    moves it, this says False and Lightning's own error appears instead.
+    """
+    connector = getattr(trainer, "_accelerator_connector", None)
+    return bool(getattr(connector, "use_distributed_sampler", False))
+
+
+def _shard(sampler: TokenBudgetBatchSampler, trainer: pl.Trainer) -> None:
+    """Make ``sampler`` yield only this process's batches (nothing to do on one process)."""
+    if trainer.world_size > 1 and sampler.rank is None:
+        sampler.rank = trainer.global_rank
+    _check_sharded(sampler, trainer)
+
+
+def _check_sharded(sampler: TokenBudgetBatchSampler, trainer: pl.Trainer) -> None:
+    world, rank = trainer.world_size, trainer.global_rank
+    if sampler.num_replicas != world:
+        raise ValueError(
+            f"num_replicas should be the trainer's world_size={world}, but got "
+            f"num_replicas={sampler.num_replicas}; leave it unset (it is read from the process group)"
+        )
+    if world > 1 and sampler.rank is None:
+        raise ValueError(
+            f"rank should be set on the training DataLoader's TokenBudgetBatchSampler on {world} "
+            f"processes, but got rank=None: every process would train every sample. Make the sampler "
+            f"before trainer.fit and pass it to TokenBudgetCallback(sampler), or build it with "
+            f"rank=self.trainer.global_rank in train_dataloader()"
+        )
+    if sampler.rank is not None and sampler.rank != rank:
+        raise ValueError(
+            f"rank should be this process's global_rank={rank}, but got rank={sampler.rank}; "
+            f"leave it unset and let TokenBudgetCallback set it"
+        )
+
+
+def _samplers_in(loaders: Any) -> Iterator[TokenBudgetBatchSampler]:
+    """Every TokenBudgetBatchSampler feeding ``loaders`` (a DataLoader, or a dict or list of them)."""
+    if isinstance(loaders, Mapping):
+        for value in loaders.values():
+            yield from _samplers_in(value)
+    elif isinstance(loaders, (list, tuple)):
+        for value in loaders:
+            yield from _samplers_in(value)
+    else:
+        source = getattr(loaders, "batch_sampler", None)
+        for _ in range(4):  # DataLoader -> a wrapper's batch sampler -> ... (a few levels at most)
+            if source is None or isinstance(source, TokenBudgetBatchSampler):
+                break
+            source = getattr(source, "batch_sampler", None)
+        if isinstance(source, TokenBudgetBatchSampler):
+            yield source
