@@ -259,6 +259,27 @@ def test_eval_loss_is_the_mean_over_examples(
     )
 
 
+def test_evaluation_and_prediction_survive_oom_by_splitting_batches(split_run: Any) -> None:
+    trainer, dataset = split_run, split_run.eval_dataset
+    budget, planned = trainer.oom_fallback.max_tokens, trainer.train_sampler.max_tokens
+    want, want_metrics = trainer.predict(dataset), trainer.evaluate()
+    with inject_oom(trainer.model, 150) as injector:  # eval batches of up to MAX_TOKENS run out of memory
+        got, got_metrics = trainer.predict(dataset), trainer.evaluate()
+
+    assert injector.count >= 1 and len(trainer.eval_oom_events) == injector.count
+    assert max(injector.costs[-3:]) <= 150
+    assert trainer.oom_fallback.max_tokens == budget and trainer.train_sampler.max_tokens == planned
+    assert torch.allclose(torch.as_tensor(got.predictions), torch.as_tensor(want.predictions), atol=1e-6)
+    assert got.label_ids.tolist() == want.label_ids.tolist() == dataset["label"]
+    assert got_metrics["eval_loss"] == pytest.approx(want_metrics["eval_loss"], rel=1e-6)
+    trainer.oom_mode = None  # no guard: the error reaches the caller
+    try:
+        with inject_oom(trainer.model, 150), pytest.raises(torch.OutOfMemoryError):
+            trainer.evaluate()
+    finally:
+        trainer.oom_mode = "split"
+
+
 def test_settings_it_cannot_honour_are_refused(
     emotion_data_dir: Path, minilm_tokenizer: Any, tmp_path: Path
 ) -> None:
@@ -310,6 +331,13 @@ def ddp_runs(tmp_path_factory: pytest.TempPathFactory, emotion_data_dir: Path) -
     }
 
 
+def injected_in_training(report: dict[str, Any]) -> int:
+    """Errors injected in training steps: each evaluation event is one error on each rank it names."""
+    return int(report["injected"]) - sum(
+        report["rank"] in event["ranks"] for event in report["eval_oom_events"]
+    )
+
+
 @pytest.mark.slow
 def test_two_processes_recover_and_resume(
     ddp_runs: dict[str, Any], emotion_data_dir: Path, minilm_tokenizer: Any
@@ -340,7 +368,8 @@ def test_two_processes_recover_and_resume(
     plan = TokenBudgetBatchSampler(lengths, tc.MAX_TOKENS, seed=0, oversize="alone", num_replicas=2).plan
     for name, failing, where in (("split", 1, "forward"), ("halve", 0, "backward")):
         zero, one = runs[name]
-        assert (zero["injected"], one["injected"]) == ((1, 0) if failing == 0 else (0, 1))
+        injected = (injected_in_training(zero), injected_in_training(one))
+        assert injected == ((1, 0) if failing == 0 else (0, 1))
         (event,) = zero["events"]
         assert (event["ranks"], event["where"], event["mode"]) == ([failing], [where], name)
         # The failing rank's first batch (the plan's costliest step comes first; rank r gets batch r of it).
@@ -368,10 +397,11 @@ def test_two_processes_score_every_example_once(
     for report in (zero, one, *ddp_runs["split"]):
         # Every compute_metrics call (evaluate, predict, with OOM, during training) saw every example once.
         assert [sorted(ids) for ids in report["eval_ids"]] == [everyone] * len(report["eval_ids"])
-    assert len(zero["eval_ids"]) == 2 and len(ddp_runs["split"][0]["eval_ids"]) == 3
+    assert len(zero["eval_ids"]) == 4 and len(ddp_runs["split"][0]["eval_ids"]) == 3
     epoch_logs = [log for log in ddp_runs["split"][0]["logs"] if "eval_loss" in log]
     expected = [(1.0, 48.0), (2.0, 48.0), (2.0, 48.0)]  # at the end of each epoch, then evaluate()
     assert [(log["epoch"], log["eval_examples"]) for log in epoch_logs] == expected
+    assert ddp_runs["split"][1]["eval_oom_events"]  # rank 1 ran out of memory evaluating during training
 
     dataset = tc.tokenized(emotion_data_dir, minilm_tokenizer, "validation", tc.EVAL_SIZE)
     assert zero["label_ids"] == one["label_ids"] == [dataset["label"], everyone]  # dataset order
@@ -381,7 +411,10 @@ def test_two_processes_score_every_example_once(
     reference = torch.as_tensor(single.predict(dataset).predictions)
     expected_loss = direct_eval_loss(single.model, dataset)
     for report in (zero, one):
-        predictions = torch.tensor(report["predictions"], dtype=reference.dtype)
-        assert torch.allclose(predictions, reference, atol=1e-5)
-        for key in ("metrics", "loss_only"):
+        for key in ("predictions", "oom_predictions"):
+            assert torch.allclose(torch.tensor(report[key], dtype=reference.dtype), reference, atol=1e-5)
+        for key in ("metrics", "loss_only", "oom_metrics"):
             assert report[key]["eval_loss"] == pytest.approx(expected_loss, rel=1e-6)
+    assert (zero["injected"], one["injected"] > 0) == (0, True)
+    assert zero["eval_oom_events"] == one["eval_oom_events"] != []
+    assert {tuple(event["ranks"]) for event in zero["eval_oom_events"]} == {(1,)}

@@ -68,7 +68,8 @@ class EvalGuard:
 
     ``max_tokens`` is the evaluation budget (None until the first
     out-of-memory error: batches run whole), ``batches`` the batches evaluated
-    and ``events`` every event (its ``step`` counts the batches from 0; its ``epoch`` is 0).
+    (set it to 0 when an evaluation starts) and ``events`` every event (its
+    ``step`` is ``batches`` when the batch came; its ``epoch`` is 0).
 
     Example:
         >>> import torch
