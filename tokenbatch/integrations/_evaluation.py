@@ -36,10 +36,10 @@ def gather_rows(accelerator: Any, fallback: Callable[[Any], Any]) -> Callable[[A
         if accelerator.num_processes == 1:
             return fallback(data)
         try:
-            return recursively_apply(lambda tensor: _gather_tensor(accelerator, tensor), data,
-                                     error_on_other_type=True)  # fmt: skip
-        except TypeError:  # not only tensors: gathered as objects, whatever their sizes
+            recursively_apply(lambda tensor: tensor, data, error_on_other_type=True)
+        except TypeError:  # not only tensors: Trainer's gathers them as objects, whatever their sizes
             return fallback(data)
+        return recursively_apply(lambda tensor: _gather_tensor(accelerator, tensor), data)
 
     return gather
 
