@@ -227,6 +227,59 @@ def test_evaluation_and_prediction_use_the_eval_budget(
     assert math.isclose(metrics["eval_loss"], output.metrics["test_loss"], rel_tol=1e-5)
 
 
+def direct_eval_loss(model: Any, dataset: Any) -> float:
+    """The mean cross-entropy over the examples, one forward each: what one big batch would report."""
+    model = model.eval()
+    with torch.no_grad():
+        losses = [
+            torch.nn.functional.cross_entropy(
+                model(input_ids=torch.tensor([ids])).logits, torch.tensor([label])
+            )
+            for ids, label in zip(dataset["input_ids"], dataset["label"], strict=True)
+        ]
+    return float(torch.stack(losses).double().mean())
+
+
+@pytest.mark.parametrize("items_loss", [False, True])
+def test_eval_loss_is_the_mean_over_examples(
+    emotion_data_dir: Path, minilm_tokenizer: Any, tmp_path: Path, items_loss: bool
+) -> None:
+    """Batches of uneven sizes: not the mean of batch means (Trainer's), for a mean or num_items loss."""
+    trainer = tc.make_trainer(
+        emotion_data_dir,
+        minilm_tokenizer,
+        tmp_path,
+        oom_mode=None,
+        eval_max_tokens=200,
+        items_loss=items_loss,
+    )
+    metrics = trainer.evaluate()
+    assert metrics["eval_loss"] == pytest.approx(
+        direct_eval_loss(trainer.model, trainer.eval_dataset), rel=1e-6
+    )
+
+
+def test_evaluation_and_prediction_survive_oom_by_splitting_batches(split_run: Any) -> None:
+    trainer, dataset = split_run, split_run.eval_dataset
+    budget, planned = trainer.oom_fallback.max_tokens, trainer.train_sampler.max_tokens
+    want, want_metrics = trainer.predict(dataset), trainer.evaluate()
+    with inject_oom(trainer.model, 150) as injector:  # eval batches of up to MAX_TOKENS run out of memory
+        got, got_metrics = trainer.predict(dataset), trainer.evaluate()
+
+    assert injector.count >= 1 and len(trainer.eval_oom_events) == injector.count
+    assert max(injector.costs[-3:]) <= 150
+    assert trainer.oom_fallback.max_tokens == budget and trainer.train_sampler.max_tokens == planned
+    assert torch.allclose(torch.as_tensor(got.predictions), torch.as_tensor(want.predictions), atol=1e-6)
+    assert got.label_ids.tolist() == want.label_ids.tolist() == dataset["label"]
+    assert got_metrics["eval_loss"] == pytest.approx(want_metrics["eval_loss"], rel=1e-6)
+    trainer.oom_mode = None  # no guard: the error reaches the caller
+    try:
+        with inject_oom(trainer.model, 150), pytest.raises(torch.OutOfMemoryError):
+            trainer.evaluate()
+    finally:
+        trainer.oom_mode = "split"
+
+
 def test_settings_it_cannot_honour_are_refused(
     emotion_data_dir: Path, minilm_tokenizer: Any, tmp_path: Path
 ) -> None:
@@ -251,11 +304,10 @@ def test_settings_it_cannot_honour_are_refused(
         trainer.train(resume_from_checkpoint=str(tmp_path / "checkpoint-1"))
 
 
-@pytest.mark.slow
-def test_two_processes_recover_and_resume(
-    emotion_data_dir: Path, minilm_tokenizer: Any, tmp_path: Path
-) -> None:
-    """accelerate launch, 2 CPU processes: split (OOM on rank 1), halve with accumulation (rank 0), resume."""
+@pytest.fixture(scope="module")
+def ddp_runs(tmp_path_factory: pytest.TempPathFactory, emotion_data_dir: Path) -> dict[str, Any]:
+    """Both ranks' reports of every scenario of tests/scripts/trainer_ddp.py (accelerate launch, 2 CPUs)."""
+    out = tmp_path_factory.mktemp("trainer_ddp")
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
@@ -266,17 +318,32 @@ def test_two_processes_recover_and_resume(
     command = [
         sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
         "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-        "--main_process_port", "0", str(SCRIPTS / "trainer_ddp.py"), str(emotion_data_dir), str(tmp_path),
+        "--main_process_port", "0", str(SCRIPTS / "trainer_ddp.py"), str(emotion_data_dir), str(out),
     ]  # fmt: skip
     try:
         done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=420)
     except subprocess.TimeoutExpired as error:
         pytest.fail(f"the 2-process run hung: {str(error.stderr)[-3000:]}")
     assert done.returncode == 0, done.stderr[-4000:]
-    runs = {
-        name: [json.loads((tmp_path / f"{name}.rank{r}.json").read_text()) for r in range(2)]
-        for name in ("split", "halve", "resumed")
+    return {
+        name: [json.loads((out / f"{name}.rank{r}.json").read_text()) for r in range(2)]
+        for name in ("split", "halve", "resumed", "evaluation")
     }
+
+
+def injected_in_training(report: dict[str, Any]) -> int:
+    """Errors injected in training steps: each evaluation event is one error on each rank it names."""
+    return int(report["injected"]) - sum(
+        report["rank"] in event["ranks"] for event in report["eval_oom_events"]
+    )
+
+
+@pytest.mark.slow
+def test_two_processes_recover_and_resume(
+    ddp_runs: dict[str, Any], emotion_data_dir: Path, minilm_tokenizer: Any
+) -> None:
+    """accelerate launch, 2 CPU processes: split (OOM on rank 1), halve with accumulation (rank 0), resume."""
+    runs = {name: ddp_runs[name] for name in ("split", "halve", "resumed")}
     for name, (zero, one) in runs.items():
         assert (zero["world"], zero["rank"], one["rank"]) == (2, 0, 1)
         # Both ranks agree on everything: events, budgets, steps (gradients averaged), parameters.
@@ -301,7 +368,8 @@ def test_two_processes_recover_and_resume(
     plan = TokenBudgetBatchSampler(lengths, tc.MAX_TOKENS, seed=0, oversize="alone", num_replicas=2).plan
     for name, failing, where in (("split", 1, "forward"), ("halve", 0, "backward")):
         zero, one = runs[name]
-        assert (zero["injected"], one["injected"]) == ((1, 0) if failing == 0 else (0, 1))
+        injected = (injected_in_training(zero), injected_in_training(one))
+        assert injected == ((1, 0) if failing == 0 else (0, 1))
         (event,) = zero["events"]
         assert (event["ranks"], event["where"], event["mode"]) == ([failing], [where], name)
         # The failing rank's first batch (the plan's costliest step comes first; rank r gets batch r of it).
@@ -317,3 +385,36 @@ def test_two_processes_recover_and_resume(
     assert start == 3
     assert resumed["steps"] == [s for s in halve["steps"] if s["global_step"] >= start]
     assert resumed["params"] == halve["params"]
+
+
+@pytest.mark.slow
+def test_two_processes_score_every_example_once(
+    ddp_runs: dict[str, Any], emotion_data_dir: Path, minilm_tokenizer: Any, tmp_path: Path
+) -> None:
+    """evaluate (with and without compute_metrics), predict and eval_strategy="epoch" on 2 processes."""
+    everyone = list(range(tc.EVAL_SIZE))
+    zero, one = ddp_runs["evaluation"]
+    for report in (zero, one, *ddp_runs["split"]):
+        # Every compute_metrics call (evaluate, predict, with OOM, during training) saw every example once.
+        assert [sorted(ids) for ids in report["eval_ids"]] == [everyone] * len(report["eval_ids"])
+    assert len(zero["eval_ids"]) == 4 and len(ddp_runs["split"][0]["eval_ids"]) == 3
+    epoch_logs = [log for log in ddp_runs["split"][0]["logs"] if "eval_loss" in log]
+    expected = [(1.0, 48.0), (2.0, 48.0), (2.0, 48.0)]  # at the end of each epoch, then evaluate()
+    assert [(log["epoch"], log["eval_examples"]) for log in epoch_logs] == expected
+    assert ddp_runs["split"][1]["eval_oom_events"]  # rank 1 ran out of memory evaluating during training
+
+    dataset = tc.tokenized(emotion_data_dir, minilm_tokenizer, "validation", tc.EVAL_SIZE)
+    assert zero["label_ids"] == one["label_ids"] == [dataset["label"], everyone]  # dataset order
+    single = tc.make_trainer(
+        emotion_data_dir, minilm_tokenizer, tmp_path, arguments={"label_names": ["labels", "idx"]}
+    )
+    reference = torch.as_tensor(single.predict(dataset).predictions)
+    expected_loss = direct_eval_loss(single.model, dataset)
+    for report in (zero, one):
+        for key in ("predictions", "oom_predictions"):
+            assert torch.allclose(torch.tensor(report[key], dtype=reference.dtype), reference, atol=1e-5)
+        for key in ("metrics", "loss_only", "oom_metrics"):
+            assert report[key]["eval_loss"] == pytest.approx(expected_loss, rel=1e-6)
+    assert (zero["injected"], one["injected"] > 0) == (0, True)
+    assert zero["eval_oom_events"] == one["eval_oom_events"] != []
+    assert {tuple(event["ranks"]) for event in zero["eval_oom_events"]} == {(1,)}

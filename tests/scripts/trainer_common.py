@@ -162,6 +162,18 @@ def recorder(trainer: Any) -> Any:
     return Recorder()
 
 
+def id_metrics(seen: list[list[int]]) -> Any:
+    """A ``compute_metrics`` for ``label_names=["labels", "idx"]``: appends the ids it scored to ``seen``."""
+
+    def compute(prediction: Any) -> dict[str, float]:
+        labels, ids = prediction.label_ids
+        seen.append([int(i) for i in ids])
+        accuracy = float((prediction.predictions.argmax(-1) == labels).mean())
+        return {"examples": float(len(ids)), "distinct": float(len(set(seen[-1]))), "accuracy": accuracy}
+
+    return compute
+
+
 def make_trainer(
     data_dir: str | Path,
     tokenizer: Any,
@@ -172,9 +184,13 @@ def make_trainer(
     accumulation: int = 1,
     save_steps: int | None = None,
     items_loss: bool = False,
+    arguments: dict[str, Any] | None = None,
     **options: Any,
 ) -> Any:
-    """A TokenBudgetTrainer on the emotion slice with a fresh tiny model and a recorder attached."""
+    """A TokenBudgetTrainer on the emotion slice with a fresh tiny model and a recorder attached.
+
+    ``arguments`` are more ``TrainingArguments``; ``options`` go to the trainer.
+    """
     from transformers import TrainingArguments
 
     from tokenbatch.integrations.transformers import TokenBudgetTrainer
@@ -193,6 +209,7 @@ def make_trainer(
         use_cpu=True,
         dataloader_num_workers=0,
         disable_tqdm=True,
+        **(arguments or {}),
     )
     trainer = TokenBudgetTrainer(
         model=tiny_model(len(tokenizer), items_loss=items_loss),

@@ -9,6 +9,13 @@ Scenarios, one after the other in the same processes, each rank writing
 - ``halve``: oom_mode="halve", gradient accumulation 2, out of memory in the
   backward pass on rank 0 only; checkpoints after step 3 and at the end of epoch 0.
 - ``resumed``: a fresh trainer resumed from the step-3 checkpoint of ``halve``.
+- ``evaluation``: an untrained model's ``evaluate()`` (with and without
+  ``compute_metrics``) and ``predict()``, then both again with out-of-memory
+  injected in the evaluation forward of rank 1 only.
+
+``split`` also evaluates at the end of each epoch (``eval_strategy="epoch"``,
+``compute_metrics`` recording the example ids it scored), where rank 1 runs
+out of memory too.
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from trainer_common import OOM_LIMIT, flat_params, make_trainer, minilm_tokenizer, save_at
+from trainer_common import OOM_LIMIT, flat_params, id_metrics, make_trainer, minilm_tokenizer, save_at
 
 from tokenbatch.testing import inject_oom
 
@@ -31,12 +38,16 @@ CHECKPOINT_STEP = 3
 
 def run(name: str, data_dir: str, out: Path, tokenizer: Any, *, where: str, ranks: tuple[int, ...],
         resume: str | None = None, **options: Any) -> Any:  # fmt: skip
+    seen: list[list[int]] = []
+    if name == "split":
+        options["arguments"] = {"eval_strategy": "epoch", "label_names": ["labels", "idx"]}
+        options["compute_metrics"] = id_metrics(seen)
     trainer = make_trainer(data_dir, tokenizer, out / name, **options)
     if name == "halve":
         trainer.add_callback(save_at(steps=(CHECKPOINT_STEP,), epochs=(0,)))
     injector = inject_oom(trainer.model, OOM_LIMIT, where=where, ranks=ranks)
     result = trainer.train(resume_from_checkpoint=resume)
-    injector.remove()  # evaluation is not guarded
+    injector.remove()  # the evaluations below run without injected errors
     rank = trainer.accelerator.process_index
     report = {
         "rank": rank,
@@ -51,10 +62,35 @@ def run(name: str, data_dir: str, out: Path, tokenizer: Any, *, where: str, rank
         "logs": trainer.recorder.logs,
         "params": flat_params(trainer.model).tolist()[:2000],
         "eval": trainer.evaluate(),
+        "eval_ids": seen,
+        "eval_oom_events": [event.as_dict() for event in trainer.eval_oom_events],
     }
     (out / f"{name}.rank{rank}.json").write_text(json.dumps(report))
     trainer.accelerator.wait_for_everyone()  # the checkpoints are complete before anyone resumes
     return trainer
+
+
+def evaluation(data_dir: str, out: Path, tokenizer: Any) -> None:
+    seen: list[list[int]] = []
+    arguments = {"label_names": ["labels", "idx"]}
+    trainer = make_trainer(data_dir, tokenizer, out / "evaluation", arguments=arguments,
+                           compute_metrics=id_metrics(seen))  # fmt: skip
+    rank = trainer.accelerator.process_index
+    report: dict[str, Any] = {"rank": rank, "metrics": trainer.evaluate()}
+    predicted = trainer.predict(trainer.eval_dataset)
+    report["predictions"] = predicted.predictions.tolist()
+    report["label_ids"] = [ids.tolist() for ids in predicted.label_ids]
+    trainer.compute_metrics = None
+    report["loss_only"] = trainer.evaluate()
+    trainer.compute_metrics = id_metrics(seen)
+    injector = inject_oom(trainer.model, OOM_LIMIT, ranks=(1,))
+    report["oom_metrics"] = trainer.evaluate()
+    report["oom_predictions"] = trainer.predict(trainer.eval_dataset).predictions.tolist()
+    injector.remove()
+    report["injected"] = injector.count
+    report["eval_oom_events"] = [e.as_dict() for e in trainer.eval_oom_events]
+    report["eval_ids"] = seen
+    (out / f"evaluation.rank{rank}.json").write_text(json.dumps(report))
 
 
 def main() -> None:
@@ -66,6 +102,7 @@ def main() -> None:
     checkpoint = out / "halve" / f"checkpoint-{CHECKPOINT_STEP}"
     run("resumed", data_dir, out, tokenizer, oom_mode="halve", accumulation=2, where="backward", ranks=(0,),
         resume=str(checkpoint))  # fmt: skip
+    evaluation(data_dir, out, tokenizer)
 
 
 if __name__ == "__main__":

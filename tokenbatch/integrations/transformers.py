@@ -5,6 +5,9 @@ evaluates with one too, and guards every training step with an
 :class:`~tokenbatch.OOMFallback`: on out-of-memory it shrinks the budget on
 every rank and carries on from the same batch, with the same optimizer,
 scheduler and global step (``auto_find_batch_size`` instead restarts the run).
+Evaluation batches are guarded by an :class:`~tokenbatch.oom.EvalGuard`
+(split into micro-batches), and gathered across ranks row for row
+(:mod:`tokenbatch.integrations._evaluation`).
 How it fits Trainer's loop is :mod:`tokenbatch.integrations._loop`'s business.
 """
 
@@ -15,18 +18,21 @@ from typing import Any, cast
 
 from tokenbatch import _checks
 from tokenbatch.cost import CostModel
-from tokenbatch.oom import MODES, OOMEvent, OOMFallback
+from tokenbatch.oom import MODES, EvalGuard, OOMEvent, OOMFallback
 from tokenbatch.plan import OVERSIZE_POLICIES
 from tokenbatch.sampler import TokenBudgetBatchSampler
 
 try:
+    import torch
+    from torch import nn
     from torch.utils.data import DataLoader
-    from transformers.trainer_utils import PredictionOutput
+    from transformers.trainer_utils import EvalLoopOutput, PredictionOutput
 
     from tokenbatch.integrations._checkpoint import STATE_FILE
     from tokenbatch.integrations._data import budget_sampler, dataset_lengths, loader_options
+    from tokenbatch.integrations._evaluation import EvalLoss, gather_rows, rank_local_loss
     from tokenbatch.integrations._feed import inverse_order, reorder
-    from tokenbatch.integrations._guard import check_supported
+    from tokenbatch.integrations._guard import check_supported, labelled_items
     from tokenbatch.integrations._loop import BudgetLoop
 except ImportError as error:  # pragma: no cover - the extra is not installed
     raise ImportError(
@@ -51,8 +57,12 @@ class TokenBudgetTrainer(BudgetLoop):
     ``max_tokens`` (the budget in force), ``step_samples`` (samples per
     optimizer step, over all ranks and accumulated batches) and ``oom_events``.
     ``train(resume_from_checkpoint=...)`` resumes at the same sample with the
-    same budget. Works with ``accelerate launch`` (DDP); not with DeepSpeed,
-    FSDP or ``DataParallel`` unless ``oom_mode=None``.
+    same budget. Evaluation and prediction score every example once on any
+    number of processes (``predict`` in dataset order), report ``eval_loss``
+    as the mean over examples (or labelled tokens), and survive out-of-memory
+    by splitting the batch (``eval_oom_events``; the training budget stays).
+    Works with ``accelerate launch`` (DDP); not with DeepSpeed, FSDP or
+    ``DataParallel`` unless ``oom_mode=None``.
 
     Args:
         max_tokens: the training budget per batch and rank, in ``cost`` units
@@ -116,6 +126,8 @@ class TokenBudgetTrainer(BudgetLoop):
             "oversize": _checks.one_of("oversize", oversize, OVERSIZE_POLICIES),
         }
         self._test_order: Any = None
+        self._eval_guard: EvalGuard | None = None
+        self._eval_loss: EvalLoss | None = None
         super().__init__(*args, **kwargs)
         sharded = bool(self.is_deepspeed_enabled or self.is_fsdp_enabled)
         check_supported(self.args, self.oom_mode, sharded=sharded)
@@ -136,6 +148,11 @@ class TokenBudgetTrainer(BudgetLoop):
     def oom_events(self) -> list[OOMEvent]:
         """Every out-of-memory event of this run (resumed runs included)."""
         return [] if self._fallback is None else list(self._fallback.events)
+
+    @property
+    def eval_oom_events(self) -> list[OOMEvent]:
+        """Every out-of-memory event of evaluation and prediction (each split a batch into micro-batches)."""
+        return [] if self._eval_guard is None else list(self._eval_guard.events)
 
     # -- data --------------------------------------------------------------------------
 
@@ -201,6 +218,71 @@ class TokenBudgetTrainer(BudgetLoop):
         loader, sampler = self._budget_dataloader(test_dataset, "test", self.eval_max_tokens, training=False)
         self._test_order = sampler.plan.order.copy()
         return loader
+
+    # -- evaluation --------------------------------------------------------------------
+
+    def evaluation_loop(
+        self,
+        dataloader: Any,
+        description: str,
+        prediction_loss_only: bool | None = None,
+        ignore_keys: list[str] | None = None,
+        metric_key_prefix: str = "eval",
+    ) -> EvalLoopOutput:
+        """``Trainer.evaluation_loop`` over batches whose sizes differ between ranks.
+
+        Outputs are gathered row for row (every example once, in the plan's
+        order), and ``<prefix>_loss`` is the mean over the items the loss
+        averages (samples, or labelled tokens), as one big batch would give it.
+        """
+        saved = self.gather_function
+        if not self.args.eval_use_gather_object:
+            self.gather_function = gather_rows(self.accelerator, saved)
+        self._eval_loss = losses = EvalLoss(self.args.device)
+        if self._eval_guard is not None:
+            self._eval_guard.batches = 0  # its events number the batches of this evaluation
+        try:
+            with rank_local_loss(self.args):
+                output = super().evaluation_loop(
+                    dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix
+                )
+        finally:
+            self.gather_function, self._eval_loss = saved, None
+        mean = losses.mean(self.accelerator, finite_only=self.args.logging_nan_inf_filter)
+        if mean is not None and output.metrics is not None and f"{metric_key_prefix}_loss" in output.metrics:
+            output.metrics[f"{metric_key_prefix}_loss"] = mean
+        return output
+
+    def prediction_step(
+        self,
+        model: nn.Module,
+        inputs: dict[str, Any],
+        prediction_loss_only: bool,
+        ignore_keys: list[str] | None = None,
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        """``Trainer.prediction_step``, in micro-batches after out-of-memory (unless ``oom_mode=None``)."""
+        step = super().prediction_step
+
+        def predict(part: Any) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+            return step(model, part, prediction_loss_only, ignore_keys=ignore_keys)
+
+        items = labelled_items(self, inputs)
+        guard = None if self.oom_mode is None else self._guard_for_eval()
+        output = predict(inputs) if guard is None else guard.evaluate(inputs, predict)
+        if self._eval_loss is not None and output[0] is not None:
+            self._eval_loss.add(output[0], items)
+        return output
+
+    def _guard_for_eval(self) -> EvalGuard:
+        if self._eval_guard is None:
+            self._eval_guard = EvalGuard(
+                cost=self.token_cost,
+                factor=self.oom_factor,
+                min_tokens=self.min_tokens,
+                weight=lambda piece: labelled_items(self, piece),  # what the loss averages over
+                pad_token_id=getattr(self.processing_class, "pad_token_id", None),
+            )
+        return self._eval_guard
 
     def predict(
         self, test_dataset: Any, ignore_keys: list[str] | None = None, metric_key_prefix: str = "test"

@@ -3,7 +3,8 @@
 :class:`OOMFallback` guards the forward and backward pass of each training
 step, and ``optimizer.step()`` through ``fallback.step(optimizer)``;
 :class:`Split` and :class:`Halve` say what it does with a step that ran out
-of memory.
+of memory. :class:`EvalGuard` (or ``OOMFallback.evaluate``) guards
+evaluation batches the same way, splitting them into micro-batches.
 
 Ranks never synchronise inside a pass that can fail: forward and backward
 run under DDP's ``no_sync()``, then one small all-reduce tells every rank
@@ -23,17 +24,20 @@ Inside the package:
   the rule that derives the next :class:`OOMEvent` from it;
 - ``_ddp``: the stand-in for DDP's reducer (``no_sync``, buffer broadcast,
   gradient averaging);
+- ``_eval``: :class:`EvalGuard`, guarded evaluation;
 - ``_split``: reading a collated batch and cutting it into micro-batches;
 - ``_detect`` and ``_events``: :func:`is_oom`, :func:`free_memory`, the event and the errors.
 """
 
 from tokenbatch.oom._detect import free_memory, is_oom
+from tokenbatch.oom._eval import EvalGuard
 from tokenbatch.oom._events import OOMEvent, OptimizerOOMError, RankFailedError, SampleTooLargeError
 from tokenbatch.oom._guard import OOMFallback
 from tokenbatch.oom._strategies import MODES, Halve, Split
 
 __all__ = [
     "MODES",
+    "EvalGuard",
     "Halve",
     "OOMEvent",
     "OOMFallback",

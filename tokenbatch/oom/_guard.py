@@ -14,6 +14,7 @@ from tokenbatch._epoch import EpochCursor
 from tokenbatch.oom._accumulate import KeptGradients
 from tokenbatch.oom._attempt import ForwardBackward, StepWork
 from tokenbatch.oom._detect import free_memory
+from tokenbatch.oom._eval import EvalGuard
 from tokenbatch.oom._events import OOMEvent, SampleTooLargeError
 from tokenbatch.oom._optimizer import guarded_step
 from tokenbatch.oom._outcome import Outcome, next_event, raise_on_every_rank, share
@@ -143,6 +144,9 @@ class OOMFallback:
         self._cursor = EpochCursor(sampler)
         self._listeners: list[Callable[[OOMFallback], None]] = []
         self._unreported = False  # events recorded since the listeners last ran
+        weight = getattr(self._strategy, "weight", "samples")
+        self.eval_guard = EvalGuard(model, cost=sampler.cost, factor=self.factor, min_tokens=self.min_tokens,
+                                    weight=weight, pad_token_id=self._strategy.pad_token_id)  # fmt: skip
 
     # -- what it exposes -----------------------------------------------------------
 
@@ -215,6 +219,20 @@ class OOMFallback:
         record it (what :func:`tokenbatch.remember_budget` does).
         """
         self._listeners.append(callback)
+
+    def evaluate(self, batch: Any, fn: Callable[[Any], T], *, lower_training: bool = False) -> T:
+        """``fn(batch)`` without gradients, in micro-batches on every rank after out-of-memory on any.
+
+        See :class:`~tokenbatch.oom.EvalGuard` (``fallback.eval_guard``, which
+        keeps the evaluation budget and events). The training budget stays as
+        it is unless ``lower_training``: then, between steps, it drops to the
+        evaluation budget after an out-of-memory error.
+        """
+        result = self.eval_guard.evaluate(batch, fn)
+        budget = self.eval_guard.max_tokens
+        if lower_training and budget is not None and self.start_from(budget):
+            self._cursor.restart_pending = not self._strategy.keeps_step  # halve: iterate() resumes afresh
+        return result
 
     # -- the loop ------------------------------------------------------------------
 
