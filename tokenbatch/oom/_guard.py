@@ -18,31 +18,13 @@ from tokenbatch.oom._eval import EvalGuard
 from tokenbatch.oom._events import OOMEvent, SampleTooLargeError
 from tokenbatch.oom._optimizer import guarded_step
 from tokenbatch.oom._outcome import Outcome, next_event, raise_on_every_rank, share
-from tokenbatch.oom._strategies import Strategy, as_strategy
+from tokenbatch.oom._strategies import Strategy, as_strategy, moved_option
 from tokenbatch.plan import OversizeSampleError
 from tokenbatch.sampler import TokenBudgetBatchSampler
 
 logger = logging.getLogger("tokenbatch.oom")
 
 T = TypeVar("T")
-
-# Options OOMFallback took before its strategies and budget remembering moved out, and where they went.
-_MOVED = {
-    "weight": "pass mode=tokenbatch.oom.Split(weight=...)",
-    "pad_token_id": "pass mode=tokenbatch.oom.Split(pad_token_id=...) (or Halve(pad_token_id=...))",
-    "trim_padding": "pass mode=tokenbatch.oom.Split(trim_padding=...)",
-    "remember": "call tokenbatch.remember_budget(fallback, key) after making the fallback",
-    "cache": "call tokenbatch.remember_budget(fallback, key, cache=cache) after making the fallback",
-}
-
-
-def _moved_option(options: dict[str, Any]) -> TypeError:
-    name, value = next(iter(options.items()))
-    if name not in _MOVED:
-        return TypeError(f"OOMFallback() got an unexpected keyword argument {name!r}")
-    return TypeError(
-        f"{name} is no longer an OOMFallback option: {_MOVED[name]} instead, but got {name}={value!r:.80}"
-    )
 
 
 class OOMFallback:
@@ -122,7 +104,7 @@ class OOMFallback:
         **moved: Any,
     ) -> None:
         if moved:
-            raise _moved_option(moved)
+            raise moved_option(moved)
         if not isinstance(sampler, TokenBudgetBatchSampler):
             raise TypeError(
                 f"sampler should be the tokenbatch.TokenBudgetBatchSampler feeding the DataLoader, "

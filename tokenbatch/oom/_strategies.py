@@ -114,3 +114,23 @@ def as_strategy(mode: str | Strategy) -> Strategy:
             f"but got mode={mode!r}"
         )
     return Split() if mode == "split" else Halve()
+
+
+# Options OOMFallback took before its strategies and budget remembering moved out, and where they went.
+_MOVED = {
+    "weight": "pass mode=tokenbatch.oom.Split(weight=...)",
+    "pad_token_id": "pass mode=tokenbatch.oom.Split(pad_token_id=...) (or Halve(pad_token_id=...))",
+    "trim_padding": "pass mode=tokenbatch.oom.Split(trim_padding=...)",
+    "remember": "call tokenbatch.remember_budget(fallback, key) after making the fallback",
+    "cache": "call tokenbatch.remember_budget(fallback, key, cache=cache) after making the fallback",
+}
+
+
+def moved_option(options: dict[str, Any]) -> TypeError:
+    """The TypeError for an old OOMFallback keyword, saying where the option went."""
+    name, value = next(iter(options.items()))
+    if name not in _MOVED:
+        return TypeError(f"OOMFallback() got an unexpected keyword argument {name!r}")
+    return TypeError(
+        f"{name} is no longer an OOMFallback option: {_MOVED[name]} instead, but got {name}={value!r:.80}"
+    )
