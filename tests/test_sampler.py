@@ -144,9 +144,9 @@ def test_position_is_the_one_cursor_of_the_epoch() -> None:
     sampler = TokenBudgetBatchSampler(long_tailed(400), 512, num_replicas=2, seed=1)
     position = sampler.position
     iterator = iter(sampler)
-    for _ in range(4):  # two whole steps; the second step's last batch is still out
+    for _ in range(4):  # two whole steps: a step counts as handed out with its last batch
         next(iterator)
-    assert (position.start, position.handed_out, position.trained) == (0, 1, 0)
+    assert (position.start, position.handed_out, position.trained) == (0, 2, 0)
     generation = position.generation
     sampler.replan(256, steps_done=1)
     assert (position.start, position.handed_out, position.trained) == (1, 1, 1)

@@ -306,15 +306,19 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
         position.handed_out = position.trained = start
         world = plan.num_replicas
         slots = [self.rank] if self.rank is not None else range(world)
+        last = slots[-1]
         for step in range(start, plan.num_steps):
             for slot in slots:
                 if position.generation != generation:
                     return  # the plan changed (re-plan, new epoch, resume): stop this pass
+                if slot == last:
+                    # Counted as the step's last batch goes out, not when the next one is asked for:
+                    # a DataLoader without workers asks only when it needs it, so k batches taken
+                    # are k steps handed out (in the global plan, a step is every rank's batch).
+                    position.handed_out = step + 1
                 yield plan.batch(step * world + slot).tolist()
-            if position.generation != generation:
-                return  # changed while the step's last batch was out: the position is the new plan's
-            position.handed_out = step + 1
-        position.start = 0
+        if position.generation == generation:
+            position.start = 0
 
     def set_epoch(self, epoch: int) -> None:
         """Start epoch ``epoch`` (a new plan); the current epoch again is a no-op.
@@ -388,11 +392,24 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
     def state_dict(self, *, steps_done: int | None = None) -> dict[str, Any]:
         """Everything needed to resume this epoch at the same sample with the same budget.
 
+        Any rank may save it and any rank load it, also on another number of
+        processes (see :meth:`load_state_dict`).
+
         Args:
-            steps_done: steps trained so far in this epoch. Defaults to the
-                steps this sampler has handed out, which runs ahead of training
-                when the DataLoader prefetches; pass the true count when you
-                have it (``sampler.position.trained`` when the loop counts it).
+            steps_done: steps trained so far in this epoch; this count is
+                exact, so pass it when the loop has it: ``OOMFallback.steps_done``,
+                or ``sampler.position.trained`` where the loop counts it. The
+                default is the steps this sampler has handed out: a step counts
+                once its last batch has been yielded (every rank's batch, for
+                the global plan). That is exact for a ``DataLoader`` without
+                workers, read by the loop one batch at a time. A prefetching
+                DataLoader runs ahead of training: with ``num_workers > 0`` it
+                reads ``prefetch_factor * num_workers`` batches ahead, and
+                accelerate's prepared DataLoader reads one batch ahead, so the
+                default would skip the steps read but not trained.
+
+        Raises:
+            ValueError: ``steps_done`` is more than the steps of this epoch.
         """
         done = self._position.handed_out
         if steps_done is not None:
