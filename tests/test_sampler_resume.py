@@ -29,7 +29,7 @@ class Case:
 @st.composite
 def cases(draw: st.DrawFn) -> Case:
     """Data and settings whose plan gives every rank a batch (oversize samples get one of their own)."""
-    n = draw(st.integers(8, 200))
+    n = draw(st.integers(20, 200))  # enough for 8 ranks: every rank gets a batch
     seed = draw(st.integers(0, 2**32 - 1))
     lengths = np.clip(np.round(np.random.default_rng(seed).lognormal(np.log(40), 1.0, n)), 1, 2000)
     cost = draw(st.sampled_from([CostModel(), CostModel(quadratic=1 / 256), CostModel(pad_to_multiple_of=8)]))
@@ -72,3 +72,24 @@ def test_default_state_after_k_batches_resumes_with_exactly_the_rest(
     rest = list(loader(resumed))
     assert taken + rest == everything
     assert len(rest) == len(everything) - steps * per_step
+
+
+# -- item 10: any rank loads any rank's state ------------------------------------------------
+
+
+@SETTINGS
+@given(cases(), st.integers(2, 8), st.data())
+def test_every_rank_resumes_from_the_state_one_rank_saved(case: Case, world: int, data: st.DataObject) -> None:
+    reference = case.sampler(num_replicas=world)
+    batches = list(reference)
+    steps = len(batches) // world
+    done = data.draw(st.integers(0, steps))
+    saver = data.draw(st.sampled_from([None, *range(world)]))  # "rank 0 saves", or the global sampler
+    state = case.sampler(num_replicas=world, rank=saver).state_dict(steps_done=done)
+    for rank in range(world):
+        resumed = case.sampler(num_replicas=world, rank=rank)
+        resumed.load_state_dict(state)
+        assert list(resumed) == batches[done * world + rank :: world]
+    resumed = case.sampler(num_replicas=world)
+    resumed.load_state_dict(state)
+    assert list(resumed) == batches[done * world :]

@@ -85,7 +85,10 @@ def check_state(state: Any, *, num_samples: int, digest: str, settings: dict[str
             f"digest {state['lengths_digest']}) than this sampler's ({num_samples} samples, "
             f"digest {digest}); build the sampler from the same lengths"
         )
-    saved = dict(state["settings"])
+    # Nothing in the state depends on the rank (the plan is global; a rank only picks its share
+    # of each step), so any rank resumes from the state one rank saved.
+    saved = {k: v for k, v in dict(state["settings"]).items() if k != "rank"}
+    settings = {k: v for k, v in settings.items() if k != "rank"}
     if saved != settings:
         diff = {
             k: (saved.get(k), settings.get(k))
