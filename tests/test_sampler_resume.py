@@ -79,7 +79,9 @@ def test_default_state_after_k_batches_resumes_with_exactly_the_rest(
 
 @SETTINGS
 @given(cases(), st.integers(2, 8), st.data())
-def test_every_rank_resumes_from_the_state_one_rank_saved(case: Case, world: int, data: st.DataObject) -> None:
+def test_every_rank_resumes_from_the_state_one_rank_saved(
+    case: Case, world: int, data: st.DataObject
+) -> None:
     reference = case.sampler(num_replicas=world)
     batches = list(reference)
     steps = len(batches) // world

@@ -11,14 +11,10 @@ import numpy as np
 from torch.utils.data import Sampler
 
 from tokenbatch import _checks, distributed
+from tokenbatch._history import History, Planner, Replan, per_sample_costs
 from tokenbatch._state import STATE_VERSION, EpochPosition, check_state, lengths_digest
 from tokenbatch.cost import CostModel
-from tokenbatch.plan import (
-    OVERSIZE_POLICIES,
-    Plan,
-    oversize_error,
-    plan_batches,
-)
+from tokenbatch.plan import OVERSIZE_POLICIES, Plan, oversize_error
 
 logger = logging.getLogger(__name__)
 
@@ -42,16 +38,6 @@ class PlanStats:
     max_batch_size: int
     num_skipped: int
     num_dropped: int
-
-
-def _per_sample_costs(cost: CostModel, keys: np.ndarray) -> np.ndarray:
-    """``cost.sample_cost(keys)``, through a table of the lengths when that is cheaper."""
-    longest = int(keys.max())
-    if longest <= 4 * len(keys):  # one entry per length up to the longest: far fewer than samples
-        table = cost.sample_cost(np.arange(longest + 1))
-        per_sample: np.ndarray = table[keys]
-        return per_sample
-    return cost.sample_cost(keys)
 
 
 class TokenBudgetBatchSampler(Sampler[list[int]]):
@@ -142,7 +128,7 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
             )
         # Sort keys and per-sample costs are computed once for the dataset.
         self._keys = np.asarray(self.cost.padded_length(self.lengths), dtype=np.int64)
-        self._unit = _per_sample_costs(self.cost, self._keys)
+        self._unit = per_sample_costs(self.cost, self._keys)
         self._max_tokens = _checks.positive_number("max_tokens", max_tokens)
         too_big = np.flatnonzero(self._unit > self._max_tokens)
         if len(too_big) and self.oversize == "error":
@@ -157,7 +143,7 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
             )
         self._position = EpochPosition()
         self._epoch_max_tokens = self._max_tokens
-        self._replans: list[tuple[int, float]] = []
+        self._replans: tuple[Replan, ...] = ()
         self._cache: tuple[tuple[Any, ...], Plan] | None = None
         self._digest: str | None = None
 
@@ -196,10 +182,14 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
     @property
     def plan(self) -> Plan:
         """This epoch's global plan, with every re-plan so far applied."""
-        key = (self.epoch, self.num_replicas, self._epoch_max_tokens, tuple(self._replans))
+        key = (self.epoch, self.num_replicas, self._history)
         if self._cache is None or self._cache[0] != key:
-            self._cache = (key, self._make_plan(self.epoch, self._epoch_max_tokens, self._replans))
+            self._cache = (key, self._make_plan(self.epoch, self._history))
         return self._cache[1]
+
+    @property
+    def _history(self) -> History:
+        return History(self._epoch_max_tokens, self._replans)
 
     def steps_in_epoch(self, epoch: int, max_tokens: float | None = None) -> int:
         """Global steps of epoch ``epoch``'s plan under ``max_tokens`` (default: the budget in force).
@@ -209,55 +199,25 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
         """
         epoch = _checks.non_negative_int("epoch", epoch)
         budget = self._max_tokens if max_tokens is None else _checks.positive_number("max_tokens", max_tokens)
-        return self._make_plan(epoch, budget, []).num_steps
+        return self._make_plan(epoch, History(budget)).num_steps
 
-    def _make_plan(self, epoch: int, epoch_max_tokens: float, replans: list[tuple[int, float]]) -> Plan:
+    def _make_plan(self, epoch: int, history: History) -> Plan:
         world = self.num_replicas
         if self.rank is not None and self.rank >= world:
             raise ValueError(
                 f"rank should be below num_replicas={world}, but got rank={self.rank}; ranks count from 0"
             )
-        plan = self._plan_samples(np.arange(len(self.lengths)), epoch_max_tokens, world, epoch, 0)
-        for number, (steps_done, max_tokens) in enumerate(replans, start=1):
-            rest = plan.remaining_after(steps_done)
-            part = self._plan_samples(rest, max_tokens, world, epoch, number)
-            plan = plan.first_steps(steps_done).then(part)
-        return plan
-
-    def _plan_samples(
-        self, indices: np.ndarray, max_tokens: float, world: int, epoch: int, replan: int
-    ) -> Plan:
-        rng = np.random.default_rng([self.seed, epoch, replan]) if self.shuffle else None
-        plan = plan_batches(
-            indices,
+        planner = Planner(
             self._keys,
             self._unit,
-            max_tokens,
-            rng=rng,
-            num_replicas=world,
-            max_batch_size=self.max_batch_size,
-            batch_size_multiple=self.batch_size_multiple,
-            drop_last=self.drop_last,
-            oversize=self.oversize,
+            self.shuffle,
+            self.seed,
+            self.max_batch_size,
+            self.batch_size_multiple,
+            self.drop_last,
+            self.oversize,
         )
-        if len(plan.skipped):
-            logger.warning(
-                "epoch %d: left out %d sample(s) that alone exceed max_tokens=%g (oversize='skip'), "
-                "for example sample %d",
-                epoch,
-                len(plan.skipped),
-                max_tokens,
-                plan.skipped[0],
-            )
-        if len(plan.dropped):
-            logger.warning(
-                "epoch %d: dropped %d sample(s) so that %d ranks get the same number of batches "
-                "(drop_last=True)",
-                epoch,
-                len(plan.dropped),
-                world,
-            )
-        return plan
+        return planner.plan(epoch, history, world)
 
     def stats(self) -> PlanStats:
         """Padding efficiency, budget use and batch sizes of this epoch's plan."""
@@ -288,8 +248,8 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
     def _budget_per_batch(self) -> np.ndarray:
         """The budget each batch of this epoch's plan was made under."""
         budgets = np.full(self.plan.num_batches, self._epoch_max_tokens)
-        for steps_done, max_tokens in self._replans:
-            budgets[steps_done * self.num_replicas :] = max_tokens
+        for replan in self._replans:
+            budgets[replan.steps_done * self.num_replicas :] = replan.max_tokens
         return budgets
 
     # -- iteration ---------------------------------------------------------------
@@ -335,7 +295,7 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
             return
         self._position.epoch = epoch
         self._epoch_max_tokens = self._max_tokens
-        self._replans = []
+        self._replans = ()
         self._position.move_to(0)
 
     def replan(self, max_tokens: float, *, steps_done: int) -> None:
@@ -358,10 +318,10 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
                 f"steps_done should be at most the {self.plan.num_steps} steps of epoch "
                 f"{self.epoch}, but got steps_done={steps_done}"
             )
-        replans = [*self._replans, (steps_done, max_tokens)]
-        plan = self._make_plan(self.epoch, self._epoch_max_tokens, replans)  # raises before any change
-        self._replans = replans
-        self._cache = ((self.epoch, self.num_replicas, self._epoch_max_tokens, tuple(replans)), plan)
+        history = self._history.then(Replan(steps_done, max_tokens))
+        plan = self._make_plan(self.epoch, history)  # raises before any change
+        self._replans = history.replans
+        self._cache = ((self.epoch, self.num_replicas, history), plan)
         self._max_tokens = max_tokens
         self._position.move_to(steps_done)
         logger.info(
@@ -422,7 +382,7 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
             "epoch": self.epoch,
             "max_tokens": self._max_tokens,
             "epoch_max_tokens": self._epoch_max_tokens,
-            "replans": [list(r) for r in self._replans],
+            "replans": [[r.steps_done, r.max_tokens] for r in self._replans],
             "steps_done": done,
         }
 
@@ -435,17 +395,18 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
         check_state(
             state, num_samples=len(self.lengths), digest=self._lengths_digest(), settings=self._settings()
         )
-        replans = [(int(s), float(t)) for s, t in state["replans"]]
+        replans = tuple(Replan(int(s), float(t)) for s, t in state["replans"])
         epoch_max_tokens = _checks.positive_number("epoch_max_tokens", state["epoch_max_tokens"])
         steps_done = _checks.non_negative_int("steps_done", state["steps_done"])
         epoch = _checks.non_negative_int("epoch", state["epoch"])
-        plan = self._make_plan(epoch, epoch_max_tokens, replans)  # raises before any change
+        history = History(epoch_max_tokens, replans)
+        plan = self._make_plan(epoch, history)  # raises before any change
         if steps_done > plan.num_steps:
             raise ValueError(
                 f"state has steps_done={steps_done}, more than the {plan.num_steps} steps of its epoch"
             )
         max_tokens = _checks.positive_number("max_tokens", state["max_tokens"])
         self._position.epoch, self._epoch_max_tokens, self._replans = epoch, epoch_max_tokens, replans
-        self._cache = ((epoch, self.num_replicas, epoch_max_tokens, tuple(replans)), plan)
+        self._cache = ((epoch, self.num_replicas, history), plan)
         self._max_tokens = max_tokens
         self._position.move_to(steps_done)

@@ -1,0 +1,114 @@
+"""An epoch's plan as a pure function of its history: the budget it started under, then each re-plan.
+
+A :class:`~tokenbatch.TokenBudgetBatchSampler` keeps no plan of its own,
+only how the epoch's plan came about; :meth:`Planner.plan` makes the plan
+from that, the same on every rank and after a restart::
+
+    History(max_tokens=B0, replans=(Replan(s1, B1), Replan(s2, B2)))
+
+    steps   0 ......... s1-1 | s1 ......... s2-1 | s2 ......... end
+    plan    every sample     | what was left     | what was left
+            under B0         | after s1, B1      | after s2, B2
+
+A re-plan keeps the first ``s`` steps (they have been trained) and plans
+every sample after them again; the ``k``-th re-plan draws its random
+choices from ``(seed, epoch, k)``.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+
+from tokenbatch.cost import CostModel
+from tokenbatch.plan import Plan, plan_batches
+
+logger = logging.getLogger("tokenbatch.sampler")
+
+
+@dataclass(frozen=True)
+class Replan:
+    """From step ``steps_done`` on, the epoch's remaining samples are planned under ``max_tokens``."""
+
+    steps_done: int
+    max_tokens: float
+
+
+@dataclass(frozen=True)
+class History:
+    """How an epoch's plan came about: the budget it started under, then every re-plan in order."""
+
+    max_tokens: float
+    replans: tuple[Replan, ...] = ()
+
+    def then(self, replan: Replan) -> History:
+        return History(self.max_tokens, (*self.replans, replan))
+
+
+def per_sample_costs(cost: CostModel, keys: np.ndarray) -> np.ndarray:
+    """``cost.sample_cost(keys)``, through a table of the lengths when that is cheaper."""
+    longest = int(keys.max())
+    if longest <= 4 * len(keys):  # one entry per length up to the longest: far fewer than samples
+        table = cost.sample_cost(np.arange(longest + 1))
+        per_sample: np.ndarray = table[keys]
+        return per_sample
+    return cost.sample_cost(keys)
+
+
+@dataclass(frozen=True)
+class Planner:
+    """The sampler's planning inputs: sort keys and costs of every sample, and its settings."""
+
+    keys: np.ndarray
+    unit: np.ndarray
+    shuffle: bool
+    seed: int
+    max_batch_size: int | None
+    batch_size_multiple: int
+    drop_last: bool
+    oversize: str
+
+    def plan(self, epoch: int, history: History, world: int) -> Plan:
+        """The plan of ``epoch`` on ``world`` ranks after ``history``."""
+        plan = self.part(np.arange(len(self.keys)), history.max_tokens, world, epoch, 0)
+        for number, replan in enumerate(history.replans, start=1):
+            rest = plan.remaining_after(replan.steps_done)
+            part = self.part(rest, replan.max_tokens, world, epoch, number)
+            plan = plan.first_steps(replan.steps_done).then(part)
+        return plan
+
+    def part(self, indices: np.ndarray, max_tokens: float, world: int, epoch: int, replan: int) -> Plan:
+        """The plan of the samples ``indices`` under ``max_tokens``: the ``replan``-th part of the epoch."""
+        rng = np.random.default_rng([self.seed, epoch, replan]) if self.shuffle else None
+        plan = plan_batches(
+            indices,
+            self.keys,
+            self.unit,
+            max_tokens,
+            rng=rng,
+            num_replicas=world,
+            max_batch_size=self.max_batch_size,
+            batch_size_multiple=self.batch_size_multiple,
+            drop_last=self.drop_last,
+            oversize=self.oversize,
+        )
+        if len(plan.skipped):
+            logger.warning(
+                "epoch %d: left out %d sample(s) that alone exceed max_tokens=%g (oversize='skip'), "
+                "for example sample %d",
+                epoch,
+                len(plan.skipped),
+                max_tokens,
+                plan.skipped[0],
+            )
+        if len(plan.dropped):
+            logger.warning(
+                "epoch %d: dropped %d sample(s) so that %d ranks get the same number of batches "
+                "(drop_last=True)",
+                epoch,
+                len(plan.dropped),
+                world,
+            )
+        return plan
