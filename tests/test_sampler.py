@@ -268,7 +268,7 @@ def test_load_state_dict_rejects_other_dataset_settings_and_keys() -> None:
         sampler.load_state_dict({**state, "extra": 1})
     with pytest.raises(ValueError, match="version"):
         sampler.load_state_dict({**state, "version": 99})
-    with pytest.raises(ValueError, match="steps_done=99"):
+    with pytest.raises(ValueError, match=r"state\['steps_done'\]=99"):
         sampler.load_state_dict({**state, "steps_done": 99})
     # The budget in the state wins over the constructor's: a resumed run keeps its halved budget.
     resumed = TokenBudgetBatchSampler([5, 6, 7, 8], 100, seed=1)

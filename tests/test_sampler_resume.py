@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch.utils.data import DataLoader
@@ -95,3 +96,115 @@ def test_every_rank_resumes_from_the_state_one_rank_saved(
     resumed = case.sampler(num_replicas=world)
     resumed.load_state_dict(state)
     assert list(resumed) == batches[done * world :]
+
+
+# -- item 9: a load validates everything first and changes nothing on failure ----------------
+
+NOT_COUNTS = [-1, 1.5, "3", None, True]
+NOT_BUDGETS = [0, -5.0, float("nan"), float("inf"), "100", None, True]
+
+
+def saved_state(case: Case, data: st.DataObject) -> tuple[TokenBudgetBatchSampler, dict[str, Any]]:
+    """A sampler part-way through an epoch, maybe re-planned, and its state."""
+    sampler = case.sampler()
+    steps = sampler.plan.num_steps
+    done = 0
+    for factor in data.draw(st.lists(st.sampled_from([0.5, 0.9, 2.0]), max_size=2)):
+        done = data.draw(st.integers(done, sampler.plan.num_steps))
+        sampler.replan(sampler.max_tokens * factor, steps_done=done)
+    steps = sampler.plan.num_steps
+    return sampler, sampler.state_dict(steps_done=data.draw(st.integers(done, steps)))
+
+
+def corruptions(state: dict[str, Any], steps: int) -> list[tuple[str, Any]]:
+    """``(field, how)`` pairs: ``how(state)`` corrupts ``field`` of a copy of ``state``."""
+    top: list[tuple[str, Any]] = [
+        ("state['version']", ("version", [0, 99, "1", None, 1.5])),
+        ("state['num_samples']", ("num_samples", [state["num_samples"] + 1, -1, "20", None])),
+        ("state['lengths_digest']", ("lengths_digest", ["0" * 32, None, 5])),
+        ("state['settings']", ("settings", ["seed", None, [1]])),
+        ("state['epoch']", ("epoch", NOT_COUNTS)),
+        ("state['max_tokens']", ("max_tokens", NOT_BUDGETS)),
+        ("state['epoch_max_tokens']", ("epoch_max_tokens", NOT_BUDGETS)),
+        ("state['steps_done']", ("steps_done", [*NOT_COUNTS, steps + 1, 10**9])),
+        ("state['replans']", ("replans", ["x", None, 5, [[0]]])),
+    ]
+    settings = state["settings"]
+    top.append(("state['settings']", ("settings", [{**settings, "seed": settings["seed"] + 1}])))
+    top.append(("state['settings']", ("settings", [{**settings, "extra": 1}])))
+    top.append(("state['settings']", ("settings", [{k: v for k, v in settings.items() if k != "shuffle"}])))
+    for i, (done, budget) in enumerate(state["replans"]):
+        field = f"state['replans'][{i}]"
+        bad = [[x, budget] for x in [*NOT_COUNTS, steps + 10**6]] + [[done, x] for x in NOT_BUDGETS]
+        bad += ["x", None, [done], [done, budget, 1, 2]]
+        top.append((field, ("replans", i, bad)))
+        if i and state["replans"][i - 1][0] > 0:  # a re-plan before the one it follows
+            top.append((field, ("replans", i, [[state["replans"][i - 1][0] - 1, budget]])))
+    return top
+
+
+@settings(SETTINGS, max_examples=300)
+@given(cases(), st.data())
+def test_a_corrupt_field_is_named_and_the_sampler_is_left_as_it_was(case: Case, data: st.DataObject) -> None:
+    source, state = saved_state(case, data)
+    field, (key, *where) = data.draw(st.sampled_from(corruptions(state, source.plan.num_steps)))
+    values = where[-1]
+    bad = data.draw(st.sampled_from(values))
+    corrupt = {**state, "replans": [list(r) for r in state["replans"]]}
+    if key == "replans" and len(where) == 2:
+        corrupt["replans"][where[0]] = bad
+    else:
+        corrupt[key] = bad
+
+    def prepared() -> TokenBudgetBatchSampler:
+        sampler = case.sampler()
+        sampler.set_epoch(1)
+        iterator = iter(sampler)
+        next(iterator)
+        return sampler
+
+    target, twin = prepared(), prepared()
+    try:
+        target.load_state_dict(corrupt)
+    except (TypeError, ValueError) as error:
+        assert field in str(error), (field, bad, str(error))
+    else:
+        raise AssertionError(f"{field}={bad!r} was accepted")
+    assert target.position == twin.position and target.max_tokens == twin.max_tokens
+    assert list(target) == list(twin)
+    # ... and the valid state still loads.
+    target.load_state_dict(state)
+    plan = source.plan  # one rank: a step is one batch
+    assert list(target) == [plan.batch(b).tolist() for b in range(state["steps_done"], plan.num_batches)]
+
+
+def test_a_bad_replan_entry_leaves_the_sampler_usable() -> None:
+    sampler = TokenBudgetBatchSampler(list(range(1, 41)), 100, seed=1)
+    before = list(sampler)
+    state = sampler.state_dict(steps_done=1)
+    for entry, message in [
+        ([10**6, 50.0], r"state\['replans'\]\[0\]"),
+        ([1, float("nan")], r"state\['replans'\]\[0\]\[1\] should be a positive finite number"),
+        ([1, -1.0], r"state\['replans'\]\[0\]\[1\]=-1.0"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            sampler.load_state_dict({**state, "replans": [entry]})
+        assert list(sampler) == before
+    with pytest.raises(ValueError, match=r"state\['max_tokens'\] should be a positive finite number"):
+        sampler.load_state_dict({**state, "epoch": 3, "max_tokens": -1.0})
+    assert sampler.epoch == 0 and list(sampler) == before
+
+
+def test_state_dict_refuses_more_steps_than_the_epoch_has() -> None:
+    sampler = TokenBudgetBatchSampler([5, 6, 7], 100)
+    assert sampler.plan.num_steps == 1
+    with pytest.raises(ValueError, match="steps_done should be at most the 1 steps of epoch 0"):
+        sampler.state_dict(steps_done=99)
+
+
+def test_replan_refuses_to_go_back_before_the_last_replan() -> None:
+    sampler = TokenBudgetBatchSampler(list(range(1, 41)), 100, seed=1)
+    sampler.replan(50, steps_done=3)
+    with pytest.raises(ValueError, match="steps_done should be at least 3"):
+        sampler.replan(25, steps_done=2)
+    assert sampler.max_tokens == 50 and sampler.start_step == 3

@@ -18,6 +18,7 @@ choices from ``(seed, epoch, k)``.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -70,13 +71,38 @@ class Planner:
     drop_last: bool
     oversize: str
 
-    def plan(self, epoch: int, history: History, world: int) -> Plan:
-        """The plan of ``epoch`` on ``world`` ranks after ``history``."""
-        plan = self.part(np.arange(len(self.keys)), history.max_tokens, world, epoch, 0)
-        for number, replan in enumerate(history.replans, start=1):
-            rest = plan.remaining_after(replan.steps_done)
-            part = self.part(rest, replan.max_tokens, world, epoch, number)
-            plan = plan.first_steps(replan.steps_done).then(part)
+    def plan(self, epoch: int, history: History, world: int, *, names: Sequence[str] | None = None) -> Plan:
+        """The plan of ``epoch`` on ``world`` ranks after ``history``.
+
+        Args:
+            names: what to call the start and each re-plan in an error (the
+                fields of a loaded state), in order.
+
+        Raises:
+            ValueError: a re-plan starts beyond the steps planned before it, or
+                a part cannot be planned (:class:`OversizeSampleError`, too few
+                samples for the ranks); with ``names``, the message names the part.
+        """
+        plan: Plan | None = None
+        for number, replan in enumerate([Replan(0, history.max_tokens), *history.replans]):
+            name = names[number] if names is not None else f"re-plan {number}"
+            if plan is None:
+                rest = np.arange(len(self.keys))
+            elif replan.steps_done > plan.num_steps:
+                raise ValueError(
+                    f"{name} should re-plan within the {plan.num_steps} steps planned before it, "
+                    f"but got steps_done={replan.steps_done}"
+                )
+            else:
+                rest = plan.remaining_after(replan.steps_done)
+            try:
+                part = self.part(rest, replan.max_tokens, world, epoch, number)
+            except ValueError as error:  # OversizeSampleError, or too few samples for the ranks
+                if names is None:
+                    raise
+                raise type(error)(f"{name} cannot be planned: {error}") from error
+            plan = part if plan is None else plan.first_steps(replan.steps_done).then(part)
+        assert plan is not None  # the loop ran at least once
         return plan
 
     def part(self, indices: np.ndarray, max_tokens: float, world: int, epoch: int, replan: int) -> Plan:

@@ -1,4 +1,4 @@
-"""Where a :class:`~tokenbatch.TokenBudgetBatchSampler`'s epoch is, and the checks of a saved state.
+"""Where a :class:`~tokenbatch.TokenBudgetBatchSampler`'s epoch is, and its saved state, checked.
 
 :class:`EpochPosition` is the one cursor of an epoch. The sampler owns it and
 moves it when it plans, yields and re-plans; the training loop (the OOM
@@ -15,9 +15,13 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
+
+from tokenbatch import _checks
+from tokenbatch._history import History, Replan
+from tokenbatch.cost import CostModel
 
 STATE_VERSION = 1
 STATE_KEYS = {
@@ -53,17 +57,81 @@ class EpochPosition:
         self.generation += 1
 
 
+@dataclass(frozen=True)
+class Saved:
+    """What a checked state says: the epoch, the budget in force, how the epoch's plan came about."""
+
+    epoch: int
+    max_tokens: float
+    history: History
+    steps_done: int
+
+
+class Settings(Protocol):
+    """The sampler's settings that a resumed sampler must share (the plan depends on them)."""
+
+    cost: CostModel
+    shuffle: bool
+    seed: int
+    max_batch_size: int | None
+    batch_size_multiple: int
+    drop_last: bool
+    oversize: str
+    rank: int | None
+
+    @property
+    def num_replicas(self) -> int: ...
+
+
+def settings_of(sampler: Settings) -> dict[str, Any]:
+    """The saved settings, JSON-ready."""
+    cost = sampler.cost
+    return {
+        "cost": [cost.linear, cost.quadratic, cost.per_sample, cost.pad_to_multiple_of],
+        "shuffle": sampler.shuffle,
+        "seed": sampler.seed,
+        "max_batch_size": sampler.max_batch_size,
+        "batch_size_multiple": sampler.batch_size_multiple,
+        "drop_last": sampler.drop_last,
+        "oversize": sampler.oversize,
+        "num_replicas": sampler.num_replicas,
+        "rank": sampler.rank,
+    }
+
+
 def lengths_digest(lengths: np.ndarray) -> str:
     """A short fingerprint of the dataset's lengths, to refuse a state saved for other data."""
     return hashlib.blake2b(lengths.tobytes(), digest_size=16).hexdigest()
 
 
-def check_state(state: Any, *, num_samples: int, digest: str, settings: dict[str, Any]) -> None:
-    """Raise unless ``state`` is a state_dict of this version for this dataset and these settings.
+def state(
+    *, num_samples: int, digest: str, settings: dict[str, Any], epoch: int, max_tokens: float,
+    history: History, steps_done: int,
+) -> dict[str, Any]:  # fmt: skip
+    """A sampler's ``state_dict()``: plain values only, so that it survives JSON and ``torch.save``."""
+    return {
+        "version": STATE_VERSION,
+        "num_samples": num_samples,
+        "lengths_digest": digest,
+        "settings": settings,
+        "epoch": epoch,
+        "max_tokens": max_tokens,
+        "epoch_max_tokens": history.max_tokens,
+        "replans": [[r.steps_done, r.max_tokens] for r in history.replans],
+        "steps_done": steps_done,
+    }
+
+
+def read_state(state: Any, *, num_samples: int, digest: str, settings: dict[str, Any]) -> Saved:
+    """What ``state`` says, every field checked; a message names the field that is wrong.
+
+    What needs the plan (that each re-plan and ``steps_done`` lie within it)
+    is the sampler's to check, before it changes anything.
 
     Raises:
-        TypeError: ``state`` is not a dict.
-        ValueError: unknown or missing keys, another version, dataset or settings.
+        TypeError: ``state`` or a field of it has the wrong type.
+        ValueError: unknown or missing keys, another version, dataset or
+            settings, or a value out of range.
     """
     if not isinstance(state, dict):
         raise TypeError(f"state should be a dict from state_dict(), but got {type(state).__name__}")
@@ -74,29 +142,68 @@ def check_state(state: Any, *, num_samples: int, digest: str, settings: dict[str
             f"state is not a TokenBudgetBatchSampler state_dict: unknown keys {sorted(unknown)}, "
             f"missing keys {sorted(missing)}"
         )
-    if state["version"] != STATE_VERSION:
+    version = state["version"]
+    if type(version) is not int or version != STATE_VERSION:
         raise ValueError(
-            f"state has version={state['version']!r}, but this tokenbatch reads version "
-            f"{STATE_VERSION}; resume with the tokenbatch that saved it"
+            f"state['version'] should be {STATE_VERSION}, the version this tokenbatch reads, but got "
+            f"state['version']={version!r}; resume with the tokenbatch that saved it"
         )
     if state["num_samples"] != num_samples or state["lengths_digest"] != digest:
         raise ValueError(
-            f"state was saved for a different dataset ({state['num_samples']} samples, lengths "
-            f"digest {state['lengths_digest']}) than this sampler's ({num_samples} samples, "
-            f"digest {digest}); build the sampler from the same lengths"
+            f"state was saved for a different dataset (state['num_samples']={state['num_samples']!r}, "
+            f"state['lengths_digest']={state['lengths_digest']!r}) than this sampler's ({num_samples} "
+            f"samples, digest {digest!r}); build the sampler from the same lengths"
+        )
+    _check_settings(state["settings"], settings)
+    epoch = _checks.non_negative_int("state['epoch']", state["epoch"])
+    max_tokens = _checks.positive_number("state['max_tokens']", state["max_tokens"])
+    epoch_max_tokens = _checks.positive_number("state['epoch_max_tokens']", state["epoch_max_tokens"])
+    steps_done = _checks.non_negative_int("state['steps_done']", state["steps_done"])
+    replans = _read_replans(state["replans"])
+    return Saved(epoch, max_tokens, History(epoch_max_tokens, replans), steps_done)
+
+
+def _check_settings(saved: Any, settings: dict[str, Any]) -> None:
+    if not isinstance(saved, dict):
+        raise TypeError(
+            f"state['settings'] should be the dict of sampler settings state_dict() saved, but got "
+            f"state['settings']={saved!r:.100}"
         )
     # Nothing in the state depends on the rank (the plan is global; a rank only picks its share
     # of each step), so any rank resumes from the state one rank saved.
-    saved = {k: v for k, v in dict(state["settings"]).items() if k != "rank"}
+    saved = {k: v for k, v in saved.items() if k != "rank"}
     settings = {k: v for k, v in settings.items() if k != "rank"}
     if saved != settings:
         diff = {
-            k: (saved.get(k), settings.get(k))
+            k: (saved.get(k, "missing"), settings.get(k, "missing"))
             for k in set(saved) | set(settings)
-            if saved.get(k) != settings.get(k)
+            if k not in saved or k not in settings or saved[k] != settings[k]
         }
         changes = ", ".join(f"{k}: saved {a!r}, now {b!r}" for k, (a, b) in sorted(diff.items()))
         raise ValueError(
-            f"state was saved with different sampler settings ({changes}); "
+            f"state['settings'] differ from this sampler's ({changes}); "
             f"build the sampler with the saved settings to resume"
         )
+
+
+def _read_replans(replans: Any) -> tuple[Replan, ...]:
+    """``state['replans']``: ``[steps_done, max_tokens]`` entries, each at or after the one before."""
+    if not isinstance(replans, list | tuple):
+        raise TypeError(
+            f"state['replans'] should be a list of [steps_done, max_tokens], but got "
+            f"state['replans']={replans!r:.100}"
+        )
+    result: list[Replan] = []
+    for i, entry in enumerate(replans):
+        name = f"state['replans'][{i}]"
+        if not isinstance(entry, list | tuple) or len(entry) != 2:
+            raise ValueError(f"{name} should be [steps_done, max_tokens], but got {name}={entry!r:.100}")
+        steps = _checks.non_negative_int(f"{name}[0]", entry[0])
+        budget = _checks.positive_number(f"{name}[1]", entry[1])
+        if result and steps < result[-1].steps_done:
+            raise ValueError(
+                f"{name} should re-plan at or after the step of the re-plan before it "
+                f"(steps_done={result[-1].steps_done}), but got {name}={entry!r}"
+            )
+        result.append(Replan(steps, budget))
+    return tuple(result)

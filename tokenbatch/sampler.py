@@ -10,9 +10,9 @@ from typing import Any
 import numpy as np
 from torch.utils.data import Sampler
 
-from tokenbatch import _checks, distributed
+from tokenbatch import _checks, _state, distributed
 from tokenbatch._history import History, Planner, Replan, per_sample_costs
-from tokenbatch._state import STATE_VERSION, EpochPosition, check_state, lengths_digest
+from tokenbatch._state import EpochPosition
 from tokenbatch.cost import CostModel
 from tokenbatch.plan import OVERSIZE_POLICIES, Plan, oversize_error
 
@@ -201,7 +201,7 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
         budget = self._max_tokens if max_tokens is None else _checks.positive_number("max_tokens", max_tokens)
         return self._make_plan(epoch, History(budget)).num_steps
 
-    def _make_plan(self, epoch: int, history: History) -> Plan:
+    def _make_plan(self, epoch: int, history: History, names: list[str] | None = None) -> Plan:
         world = self.num_replicas
         if self.rank is not None and self.rank >= world:
             raise ValueError(
@@ -217,7 +217,7 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
             self.drop_last,
             self.oversize,
         )
-        return planner.plan(epoch, history, world)
+        return planner.plan(epoch, history, world, names=names)
 
     def stats(self) -> PlanStats:
         """Padding efficiency, budget use and batch sizes of this epoch's plan."""
@@ -313,10 +313,12 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
         """
         max_tokens = _checks.positive_number("max_tokens", max_tokens)
         steps_done = _checks.non_negative_int("steps_done", steps_done)
-        if steps_done > self.plan.num_steps:
+        self._check_steps(steps_done)
+        last = self._replans[-1].steps_done if self._replans else 0
+        if steps_done < last:
             raise ValueError(
-                f"steps_done should be at most the {self.plan.num_steps} steps of epoch "
-                f"{self.epoch}, but got steps_done={steps_done}"
+                f"steps_done should be at least {last}, the step epoch {self.epoch} was last re-planned "
+                f"at (the steps before it have been trained), but got steps_done={steps_done}"
             )
         history = self._history.then(Replan(steps_done, max_tokens))
         plan = self._make_plan(self.epoch, history)  # raises before any change
@@ -330,24 +332,17 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
 
     # -- checkpointing -----------------------------------------------------------
 
-    def _settings(self) -> dict[str, Any]:
-        cost = self.cost
-        return {
-            "cost": [cost.linear, cost.quadratic, cost.per_sample, cost.pad_to_multiple_of],
-            "shuffle": self.shuffle,
-            "seed": self.seed,
-            "max_batch_size": self.max_batch_size,
-            "batch_size_multiple": self.batch_size_multiple,
-            "drop_last": self.drop_last,
-            "oversize": self.oversize,
-            "num_replicas": self.num_replicas,
-            "rank": self.rank,
-        }
-
     def _lengths_digest(self) -> str:
         if self._digest is None:
-            self._digest = lengths_digest(self.lengths)
+            self._digest = _state.lengths_digest(self.lengths)
         return self._digest
+
+    def _check_steps(self, steps_done: int) -> None:
+        if steps_done > self.plan.num_steps:
+            raise ValueError(
+                f"steps_done should be at most the {self.plan.num_steps} steps of epoch "
+                f"{self.epoch}, but got steps_done={steps_done}"
+            )
 
     def state_dict(self, *, steps_done: int | None = None) -> dict[str, Any]:
         """Everything needed to resume this epoch at the same sample with the same budget.
@@ -374,39 +369,45 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
         done = self._position.handed_out
         if steps_done is not None:
             done = _checks.non_negative_int("steps_done", steps_done)
-        return {
-            "version": STATE_VERSION,
-            "num_samples": len(self.lengths),
-            "lengths_digest": self._lengths_digest(),
-            "settings": self._settings(),
-            "epoch": self.epoch,
-            "max_tokens": self._max_tokens,
-            "epoch_max_tokens": self._epoch_max_tokens,
-            "replans": [[r.steps_done, r.max_tokens] for r in self._replans],
-            "steps_done": done,
-        }
+            self._check_steps(done)
+        return _state.state(
+            num_samples=len(self.lengths),
+            digest=self._lengths_digest(),
+            settings=_state.settings_of(self),
+            epoch=self.epoch,
+            max_tokens=self._max_tokens,
+            history=self._history,
+            steps_done=done,
+        )
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume from :meth:`state_dict`: the next iteration yields exactly the batches not yet done.
 
+        Every field is checked before anything changes: on an error the
+        sampler is as it was.
+
         Raises:
-            ValueError: the state is from another version, dataset or settings.
+            TypeError: a field of the state has the wrong type.
+            ValueError: the state is from another version, dataset or settings,
+                or a field is out of range; the message names the field.
         """
-        check_state(
-            state, num_samples=len(self.lengths), digest=self._lengths_digest(), settings=self._settings()
+        saved = _state.read_state(
+            state,
+            num_samples=len(self.lengths),
+            digest=self._lengths_digest(),
+            settings=_state.settings_of(self),
         )
-        replans = tuple(Replan(int(s), float(t)) for s, t in state["replans"])
-        epoch_max_tokens = _checks.positive_number("epoch_max_tokens", state["epoch_max_tokens"])
-        steps_done = _checks.non_negative_int("steps_done", state["steps_done"])
-        epoch = _checks.non_negative_int("epoch", state["epoch"])
-        history = History(epoch_max_tokens, replans)
-        plan = self._make_plan(epoch, history)  # raises before any change
-        if steps_done > plan.num_steps:
+        names = [
+            "state['epoch_max_tokens']",
+            *(f"state['replans'][{i}]" for i in range(len(saved.history.replans))),
+        ]
+        plan = self._make_plan(saved.epoch, saved.history, names)
+        if saved.steps_done > plan.num_steps:
             raise ValueError(
-                f"state has steps_done={steps_done}, more than the {plan.num_steps} steps of its epoch"
+                f"state['steps_done'] should be at most the {plan.num_steps} steps of its epoch's plan, "
+                f"but got state['steps_done']={saved.steps_done}"
             )
-        max_tokens = _checks.positive_number("max_tokens", state["max_tokens"])
-        self._position.epoch, self._epoch_max_tokens, self._replans = epoch, epoch_max_tokens, replans
-        self._cache = ((epoch, self.num_replicas, history), plan)
-        self._max_tokens = max_tokens
-        self._position.move_to(steps_done)
+        self._position.epoch, self._max_tokens = saved.epoch, saved.max_tokens
+        self._epoch_max_tokens, self._replans = saved.history.max_tokens, saved.history.replans
+        self._cache = ((saved.epoch, self.num_replicas, saved.history), plan)
+        self._position.move_to(saved.steps_done)
