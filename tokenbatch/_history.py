@@ -1,18 +1,20 @@
-"""An epoch's plan as a pure function of its history: the budget it started under, then each re-plan.
+"""An epoch's plan as a pure function of its history: how it started, then each re-plan.
 
 A :class:`~tokenbatch.TokenBudgetBatchSampler` keeps no plan of its own,
 only how the epoch's plan came about; :meth:`Planner.plan` makes the plan
 from that, the same on every rank and after a restart::
 
-    History(max_tokens=B0, replans=(Replan(s1, B1), Replan(s2, B2)))
+    History(max_tokens=B0, num_replicas=W0, replans=(Replan(s1, B1, W0), Replan(s2, B1, W2)))
 
     steps   0 ......... s1-1 | s1 ......... s2-1 | s2 ......... end
     plan    every sample     | what was left     | what was left
-            under B0         | after s1, B1      | after s2, B2
+            under B0, W0     | after s1: B1, W0  | after s2: B1, W2
 
 A re-plan keeps the first ``s`` steps (they have been trained) and plans
-every sample after them again; the ``k``-th re-plan draws its random
-choices from ``(seed, epoch, k)``.
+every sample after them again: under a new budget (an out-of-memory error in
+halve mode), or for a new number of ranks (a resume on another number of
+processes; the steps before keep their width, and step numbers go on). The
+``k``-th re-plan draws its random choices from ``(seed, epoch, k)``.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from tokenbatch.cost import CostModel
-from tokenbatch.plan import Plan, plan_batches
+from tokenbatch.plan import Plan, oversize_error, plan_batches
 
 logger = logging.getLogger("tokenbatch.sampler")
 
@@ -35,17 +37,27 @@ class Replan:
 
     steps_done: int
     max_tokens: float
+    num_replicas: int
+    """The ranks the part is planned for."""
 
 
 @dataclass(frozen=True)
 class History:
-    """How an epoch's plan came about: the budget it started under, then every re-plan in order."""
+    """How an epoch's plan came about: the budget and ranks it started with, then every re-plan in order."""
 
     max_tokens: float
+    num_replicas: int | None = None
+    """None: the sampler's number of ranks, read when the plan is made (a fresh epoch)."""
     replans: tuple[Replan, ...] = ()
 
     def then(self, replan: Replan) -> History:
-        return History(self.max_tokens, (*self.replans, replan))
+        return History(self.max_tokens, self.num_replicas, (*self.replans, replan))
+
+    def world(self, default: int) -> int:
+        """The ranks the last part is planned for (``default``: the sampler's)."""
+        if self.replans:
+            return self.replans[-1].num_replicas
+        return default if self.num_replicas is None else self.num_replicas
 
 
 def per_sample_costs(cost: CostModel, keys: np.ndarray) -> np.ndarray:
@@ -72,7 +84,7 @@ class Planner:
     oversize: str
 
     def plan(self, epoch: int, history: History, world: int, *, names: Sequence[str] | None = None) -> Plan:
-        """The plan of ``epoch`` on ``world`` ranks after ``history``.
+        """The plan of ``epoch`` after ``history``, on ``world`` ranks where the history does not say.
 
         Args:
             names: what to call the start and each re-plan in an error (the
@@ -84,7 +96,8 @@ class Planner:
                 samples for the ranks); with ``names``, the message names the part.
         """
         plan: Plan | None = None
-        for number, replan in enumerate([Replan(0, history.max_tokens), *history.replans]):
+        start = Replan(0, history.max_tokens, world if history.num_replicas is None else history.num_replicas)
+        for number, replan in enumerate([start, *history.replans]):
             name = names[number] if names is not None else f"re-plan {number}"
             if plan is None:
                 rest = np.arange(len(self.keys))
@@ -96,7 +109,7 @@ class Planner:
             else:
                 rest = plan.remaining_after(replan.steps_done)
             try:
-                part = self.part(rest, replan.max_tokens, world, epoch, number)
+                part = self.part(rest, replan.max_tokens, replan.num_replicas, epoch, number)
             except ValueError as error:  # OversizeSampleError, or too few samples for the ranks
                 if names is None:
                     raise
@@ -138,3 +151,18 @@ class Planner:
                 world,
             )
         return plan
+
+
+def check_oversize(keys: np.ndarray, unit: np.ndarray, max_tokens: float, oversize: str) -> None:
+    """Raise (``oversize="error"``) or warn (``"alone"``) where a sample alone exceeds ``max_tokens``."""
+    too_big = np.flatnonzero(unit > max_tokens)
+    if len(too_big) and oversize == "error":
+        raise oversize_error(too_big, keys, unit, max_tokens)
+    if len(too_big) and oversize == "alone":
+        logger.warning(
+            "%d sample(s) alone exceed max_tokens=%g and get a batch of their own (oversize='alone'), "
+            "for example sample %d",
+            len(too_big),
+            max_tokens,
+            too_big[0],
+        )

@@ -9,6 +9,13 @@ re-plan, the progress bar) reads it, rather than keeping a count of its own::
     step:      0    1    2    3    4    5    6   (the epoch's plan)
     trained    ^^^^^^^^^^^                        trained = 3
     handed out ^^^^^^^^^^^^^^^^^^^                handed_out = 5: the DataLoader reads ahead
+
+A saved state (version 2) holds the dataset's fingerprint, the settings the
+plan depends on, and the epoch's history (:mod:`tokenbatch._history`) with
+the number of ranks of each part; nothing in it depends on the rank, and a
+state from another number of ranks is resumed by re-planning what is left.
+Version 1 states (one number of ranks for the whole epoch, kept in the
+settings) are still read.
 """
 
 from __future__ import annotations
@@ -23,8 +30,8 @@ from tokenbatch import _checks
 from tokenbatch._history import History, Replan
 from tokenbatch.cost import CostModel
 
-STATE_VERSION = 1
-STATE_KEYS = {
+STATE_VERSION = 2
+_KEYS_V1 = {
     "version",
     "num_samples",
     "lengths_digest",
@@ -35,6 +42,8 @@ STATE_KEYS = {
     "replans",
     "steps_done",
 }
+STATE_KEYS = {*_KEYS_V1, "epoch_num_replicas"}
+_WORLD_SETTINGS = ("num_replicas", "rank")  # in version 1's settings; they need not match
 
 
 @dataclass
@@ -77,10 +86,6 @@ class Settings(Protocol):
     batch_size_multiple: int
     drop_last: bool
     oversize: str
-    rank: int | None
-
-    @property
-    def num_replicas(self) -> int: ...
 
 
 def settings_of(sampler: Settings) -> dict[str, Any]:
@@ -94,8 +99,6 @@ def settings_of(sampler: Settings) -> dict[str, Any]:
         "batch_size_multiple": sampler.batch_size_multiple,
         "drop_last": sampler.drop_last,
         "oversize": sampler.oversize,
-        "num_replicas": sampler.num_replicas,
-        "rank": sampler.rank,
     }
 
 
@@ -117,7 +120,8 @@ def state(
         "epoch": epoch,
         "max_tokens": max_tokens,
         "epoch_max_tokens": history.max_tokens,
-        "replans": [[r.steps_done, r.max_tokens] for r in history.replans],
+        "epoch_num_replicas": history.num_replicas,
+        "replans": [[r.steps_done, r.max_tokens, r.num_replicas] for r in history.replans],
         "steps_done": steps_done,
     }
 
@@ -135,18 +139,18 @@ def read_state(state: Any, *, num_samples: int, digest: str, settings: dict[str,
     """
     if not isinstance(state, dict):
         raise TypeError(f"state should be a dict from state_dict(), but got {type(state).__name__}")
-    unknown = set(state) - STATE_KEYS
-    missing = STATE_KEYS - set(state)
+    version = state.get("version")
+    if type(version) is not int or version not in (1, STATE_VERSION):
+        raise ValueError(
+            f"state['version'] should be 1 or {STATE_VERSION}, the versions this tokenbatch reads, but "
+            f"got state['version']={version!r}; resume with the tokenbatch that saved it"
+        )
+    keys = _KEYS_V1 if version == 1 else STATE_KEYS
+    unknown, missing = set(state) - keys, keys - set(state)
     if unknown or missing:
         raise ValueError(
-            f"state is not a TokenBudgetBatchSampler state_dict: unknown keys {sorted(unknown)}, "
-            f"missing keys {sorted(missing)}"
-        )
-    version = state["version"]
-    if type(version) is not int or version != STATE_VERSION:
-        raise ValueError(
-            f"state['version'] should be {STATE_VERSION}, the version this tokenbatch reads, but got "
-            f"state['version']={version!r}; resume with the tokenbatch that saved it"
+            f"state is not a TokenBudgetBatchSampler state_dict (version {version}): unknown keys "
+            f"{sorted(unknown)}, missing keys {sorted(missing)}"
         )
     if state["num_samples"] != num_samples or state["lengths_digest"] != digest:
         raise ValueError(
@@ -154,25 +158,27 @@ def read_state(state: Any, *, num_samples: int, digest: str, settings: dict[str,
             f"state['lengths_digest']={state['lengths_digest']!r}) than this sampler's ({num_samples} "
             f"samples, digest {digest!r}); build the sampler from the same lengths"
         )
-    _check_settings(state["settings"], settings)
-    epoch = _checks.non_negative_int("state['epoch']", state["epoch"])
-    max_tokens = _checks.positive_number("state['max_tokens']", state["max_tokens"])
-    epoch_max_tokens = _checks.positive_number("state['epoch_max_tokens']", state["epoch_max_tokens"])
-    steps_done = _checks.non_negative_int("state['steps_done']", state["steps_done"])
-    replans = _read_replans(state["replans"])
-    return Saved(epoch, max_tokens, History(epoch_max_tokens, replans), steps_done)
-
-
-def _check_settings(saved: Any, settings: dict[str, Any]) -> None:
+    saved = state["settings"]
     if not isinstance(saved, dict):
         raise TypeError(
             f"state['settings'] should be the dict of sampler settings state_dict() saved, but got "
             f"state['settings']={saved!r:.100}"
         )
-    # Nothing in the state depends on the rank (the plan is global; a rank only picks its share
-    # of each step), so any rank resumes from the state one rank saved.
-    saved = {k: v for k, v in saved.items() if k != "rank"}
-    settings = {k: v for k, v in settings.items() if k != "rank"}
+    if version == 1:
+        world = _checks.positive_int("state['settings']['num_replicas']", saved.get("num_replicas"))
+        saved = {k: v for k, v in saved.items() if k not in _WORLD_SETTINGS}
+    else:
+        world = _checks.positive_int("state['epoch_num_replicas']", state["epoch_num_replicas"])
+    _compare_settings(saved, settings)
+    epoch = _checks.non_negative_int("state['epoch']", state["epoch"])
+    max_tokens = _checks.positive_number("state['max_tokens']", state["max_tokens"])
+    epoch_max_tokens = _checks.positive_number("state['epoch_max_tokens']", state["epoch_max_tokens"])
+    steps_done = _checks.non_negative_int("state['steps_done']", state["steps_done"])
+    replans = _read_replans(state["replans"], world if version == 1 else None)
+    return Saved(epoch, max_tokens, History(epoch_max_tokens, world, replans), steps_done)
+
+
+def _compare_settings(saved: dict[str, Any], settings: dict[str, Any]) -> None:
     if saved != settings:
         diff = {
             k: (saved.get(k, "missing"), settings.get(k, "missing"))
@@ -186,24 +192,29 @@ def _check_settings(saved: Any, settings: dict[str, Any]) -> None:
         )
 
 
-def _read_replans(replans: Any) -> tuple[Replan, ...]:
-    """``state['replans']``: ``[steps_done, max_tokens]`` entries, each at or after the one before."""
+def _read_replans(replans: Any, world: int | None) -> tuple[Replan, ...]:
+    """``state['replans']``, each entry at or after the one before.
+
+    Entries are ``[steps_done, max_tokens, num_replicas]``, or in version 1
+    ``[steps_done, max_tokens]`` on the epoch's ``world`` ranks.
+    """
+    fields = "[steps_done, max_tokens" + ("]" if world is not None else ", num_replicas]")
     if not isinstance(replans, list | tuple):
         raise TypeError(
-            f"state['replans'] should be a list of [steps_done, max_tokens], but got "
-            f"state['replans']={replans!r:.100}"
+            f"state['replans'] should be a list of {fields}, but got state['replans']={replans!r:.100}"
         )
     result: list[Replan] = []
     for i, entry in enumerate(replans):
         name = f"state['replans'][{i}]"
-        if not isinstance(entry, list | tuple) or len(entry) != 2:
-            raise ValueError(f"{name} should be [steps_done, max_tokens], but got {name}={entry!r:.100}")
+        if not isinstance(entry, list | tuple) or len(entry) != (2 if world is not None else 3):
+            raise ValueError(f"{name} should be {fields}, but got {name}={entry!r:.100}")
         steps = _checks.non_negative_int(f"{name}[0]", entry[0])
         budget = _checks.positive_number(f"{name}[1]", entry[1])
+        ranks = world if world is not None else _checks.positive_int(f"{name}[2]", entry[2])
         if result and steps < result[-1].steps_done:
             raise ValueError(
                 f"{name} should re-plan at or after the step of the re-plan before it "
                 f"(steps_done={result[-1].steps_done}), but got {name}={entry!r}"
             )
-        result.append(Replan(steps, budget))
+        result.append(Replan(steps, budget, ranks))
     return tuple(result)

@@ -11,10 +11,10 @@ import numpy as np
 from torch.utils.data import Sampler
 
 from tokenbatch import _checks, _state, distributed
-from tokenbatch._history import History, Planner, Replan, per_sample_costs
+from tokenbatch._history import History, Planner, Replan, check_oversize, per_sample_costs
 from tokenbatch._state import EpochPosition
 from tokenbatch.cost import CostModel
-from tokenbatch.plan import OVERSIZE_POLICIES, Plan, oversize_error
+from tokenbatch.plan import OVERSIZE_POLICIES, Plan
 
 logger = logging.getLogger(__name__)
 
@@ -130,19 +130,12 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
         self._keys = np.asarray(self.cost.padded_length(self.lengths), dtype=np.int64)
         self._unit = per_sample_costs(self.cost, self._keys)
         self._max_tokens = _checks.positive_number("max_tokens", max_tokens)
-        too_big = np.flatnonzero(self._unit > self._max_tokens)
-        if len(too_big) and self.oversize == "error":
-            raise oversize_error(too_big, self._keys, self._unit, self._max_tokens)
-        if len(too_big) and self.oversize == "alone":
-            logger.warning(
-                "%d sample(s) alone exceed max_tokens=%g and get a batch of their own (oversize='alone'), "
-                "for example sample %d",
-                len(too_big),
-                self._max_tokens,
-                too_big[0],
-            )
+        check_oversize(self._keys, self._unit, self._max_tokens, self.oversize)
         self._position = EpochPosition()
+        # How this epoch's plan came about (see _history): its first budget and number of ranks
+        # (None: the sampler's, read when planned), then every re-plan.
         self._epoch_max_tokens = self._max_tokens
+        self._epoch_world: int | None = None
         self._replans: tuple[Replan, ...] = ()
         self._cache: tuple[tuple[Any, ...], Plan] | None = None
         self._digest: str | None = None
@@ -189,7 +182,7 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
 
     @property
     def _history(self) -> History:
-        return History(self._epoch_max_tokens, self._replans)
+        return History(self._epoch_max_tokens, self._epoch_world, self._replans)
 
     def steps_in_epoch(self, epoch: int, max_tokens: float | None = None) -> int:
         """Global steps of epoch ``epoch``'s plan under ``max_tokens`` (default: the budget in force).
@@ -249,22 +242,27 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
         """The budget each batch of this epoch's plan was made under."""
         budgets = np.full(self.plan.num_batches, self._epoch_max_tokens)
         for replan in self._replans:
-            budgets[replan.steps_done * self.num_replicas :] = replan.max_tokens
+            budgets[self.plan.step_start(replan.steps_done) :] = replan.max_tokens
         return budgets
 
     # -- iteration ---------------------------------------------------------------
 
     def __len__(self) -> int:
-        plan = self.plan
-        steps = plan.num_steps - self._position.start
-        return steps if self.rank is not None else steps * plan.num_replicas
+        plan, start = self.plan, self._position.start
+        return plan.num_steps - start if self.rank is not None else plan.num_batches - plan.step_start(start)
 
     def __iter__(self) -> Iterator[list[int]]:
         plan, position = self.plan, self._position
         generation, start = position.generation, position.start
+        world = plan.num_replicas
+        if plan.step_starts is not None and np.any(np.diff(plan.step_starts[start:]) != world):
+            raise ValueError(
+                f"epoch {self.epoch} was resumed on {world} processes after steps planned for another "
+                f"number of processes, and those steps cannot be shared out again; call "
+                f"set_epoch({self.epoch + 1}) to start the next epoch"
+            )
         # A pass starts where the epoch's cursor says: every step before it has been trained.
         position.handed_out = position.trained = start
-        world = plan.num_replicas
         slots = [self.rank] if self.rank is not None else range(world)
         last = slots[-1]
         for step in range(start, plan.num_steps):
@@ -276,7 +274,7 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
                     # a DataLoader without workers asks only when it needs it, so k batches taken
                     # are k steps handed out (in the global plan, a step is every rank's batch).
                     position.handed_out = step + 1
-                yield plan.batch(step * world + slot).tolist()
+                yield plan.batch(plan.step_start(step) + slot).tolist()
         if position.generation == generation:
             position.start = 0
 
@@ -294,8 +292,7 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
         if epoch == self._position.epoch:
             return
         self._position.epoch = epoch
-        self._epoch_max_tokens = self._max_tokens
-        self._replans = ()
+        self._epoch_max_tokens, self._epoch_world, self._replans = self._max_tokens, None, ()
         self._position.move_to(0)
 
     def replan(self, max_tokens: float, *, steps_done: int) -> None:
@@ -320,7 +317,7 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
                 f"steps_done should be at least {last}, the step epoch {self.epoch} was last re-planned "
                 f"at (the steps before it have been trained), but got steps_done={steps_done}"
             )
-        history = self._history.then(Replan(steps_done, max_tokens))
+        history = self._history.then(Replan(steps_done, max_tokens, self.num_replicas))
         plan = self._make_plan(self.epoch, history)  # raises before any change
         self._replans = history.replans
         self._cache = ((self.epoch, self.num_replicas, history), plan)
@@ -370,44 +367,62 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
         if steps_done is not None:
             done = _checks.non_negative_int("steps_done", steps_done)
             self._check_steps(done)
+        history = self._history
+        if history.num_replicas is None:  # a fresh epoch: planned for the ranks there are now
+            history = History(history.max_tokens, self.num_replicas, history.replans)
         return _state.state(
             num_samples=len(self.lengths),
             digest=self._lengths_digest(),
             settings=_state.settings_of(self),
             epoch=self.epoch,
             max_tokens=self._max_tokens,
-            history=self._history,
+            history=history,
             steps_done=done,
         )
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume from :meth:`state_dict`: the next iteration yields exactly the batches not yet done.
 
-        Every field is checked before anything changes: on an error the
-        sampler is as it was.
+        The state may come from any rank, and from another number of
+        processes: then the steps trained stay as they were (global steps of
+        the old number of processes) and the samples not yet trained are
+        planned again for this one, whose steps follow. Every field is
+        checked before anything changes: on an error the sampler is as it was.
 
         Raises:
             TypeError: a field of the state has the wrong type.
             ValueError: the state is from another version, dataset or settings,
-                or a field is out of range; the message names the field.
+                a field is out of range (the message names it), or what is left
+                cannot give every one of this many processes a batch.
         """
+        settings = _state.settings_of(self)
         saved = _state.read_state(
-            state,
-            num_samples=len(self.lengths),
-            digest=self._lengths_digest(),
-            settings=_state.settings_of(self),
+            state, num_samples=len(self.lengths), digest=self._lengths_digest(), settings=settings
         )
+        history, world = saved.history, self.num_replicas
         names = [
             "state['epoch_max_tokens']",
-            *(f"state['replans'][{i}]" for i in range(len(saved.history.replans))),
+            *(f"state['replans'][{i}]" for i in range(len(history.replans))),
         ]
-        plan = self._make_plan(saved.epoch, saved.history, names)
+        plan = self._make_plan(saved.epoch, history, names)
         if saved.steps_done > plan.num_steps:
             raise ValueError(
                 f"state['steps_done'] should be at most the {plan.num_steps} steps of its epoch's plan, "
                 f"but got state['steps_done']={saved.steps_done}"
             )
+        if history.world(world) != world:  # saved on another number of processes: re-plan what is left
+            history = history.then(Replan(saved.steps_done, saved.max_tokens, world))
+            names.append(f"the rest after state['steps_done']={saved.steps_done}, on {world} processes,")
+            plan = self._make_plan(saved.epoch, history, names)
+            logger.info(
+                "epoch %d: resumed at step %d on %d processes; what is left is planned again for them",
+                saved.epoch,
+                saved.steps_done,
+                world,
+            )
         self._position.epoch, self._max_tokens = saved.epoch, saved.max_tokens
-        self._epoch_max_tokens, self._replans = saved.history.max_tokens, saved.history.replans
-        self._cache = ((saved.epoch, self.num_replicas, saved.history), plan)
+        self._epoch_max_tokens, self._epoch_world, self._replans = (
+            history.max_tokens, history.num_replicas, history.replans,
+        )  # fmt: skip
+        self._cache = ((saved.epoch, world, history), plan)
         self._position.move_to(saved.steps_done)
