@@ -33,7 +33,7 @@ logger = logging.getLogger("tokenbatch.sampler")
 
 @dataclass(frozen=True)
 class Replan:
-    """From step ``steps_done`` on, the epoch's remaining samples are planned under ``max_tokens``."""
+    """From step ``steps_done`` on, the samples left are planned under ``max_tokens`` for ``num_replicas``."""
 
     steps_done: int
     max_tokens: float
@@ -52,6 +52,31 @@ class History:
 
     def then(self, replan: Replan) -> History:
         return History(self.max_tokens, self.num_replicas, (*self.replans, replan))
+
+    def on(self, world: int) -> History:
+        """This history, planned from the start for ``world`` ranks where it does not say."""
+        return self if self.num_replicas is not None else History(self.max_tokens, world, self.replans)
+
+    def check_steps_done(self, steps_done: int, plan: Plan, name: str = "steps_done") -> None:
+        """Refuse a count of steps trained beyond ``plan`` (this history's) or before its last re-plan."""
+        last = self.replans[-1].steps_done if self.replans else 0
+        if steps_done < last:
+            raise ValueError(
+                f"{name} should be at least {last}, the step the epoch was last re-planned at (the steps "
+                f"before it have been trained), but got {name}={steps_done}"
+            )
+        if steps_done > plan.num_steps:
+            raise ValueError(
+                f"{name} should be at most the {plan.num_steps} steps of the epoch's plan, but got "
+                f"{name}={steps_done}"
+            )
+
+    def budget_per_batch(self, plan: Plan) -> np.ndarray:
+        """The budget each batch of ``plan`` (this history's) was planned under."""
+        budgets = np.full(plan.num_batches, self.max_tokens)
+        for replan in self.replans:
+            budgets[plan.step_start(replan.steps_done) :] = replan.max_tokens
+        return budgets
 
     def world(self, default: int) -> int:
         """The ranks the last part is planned for (``default``: the sampler's)."""
@@ -165,4 +190,12 @@ def check_oversize(keys: np.ndarray, unit: np.ndarray, max_tokens: float, oversi
             len(too_big),
             max_tokens,
             too_big[0],
+        )
+
+
+def check_rank(rank: int | None, world: int) -> None:
+    """Refuse a rank the world does not have."""
+    if rank is not None and rank >= world:
+        raise ValueError(
+            f"rank should be below num_replicas={world}, but got rank={rank}; ranks count from 0"
         )

@@ -21,6 +21,8 @@ settings) are still read.
 from __future__ import annotations
 
 import hashlib
+import logging
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -29,6 +31,9 @@ import numpy as np
 from tokenbatch import _checks
 from tokenbatch._history import History, Replan
 from tokenbatch.cost import CostModel
+from tokenbatch.plan import Plan
+
+logger = logging.getLogger("tokenbatch.sampler")
 
 STATE_VERSION = 2
 _KEYS_V1 = {
@@ -65,6 +70,39 @@ class EpochPosition:
         self.start = self.handed_out = self.trained = step
         self.generation += 1
 
+    def walk(self, plan: Plan, rank: int | None) -> Iterator[list[int]]:
+        """One pass over ``plan`` from ``start``: ``rank``'s batch of each step, or every rank's (None).
+
+        The cursor moves as batches go out; the pass stops when the plan
+        changes under it (a re-plan, a new epoch, a resume).
+
+        Raises:
+            ValueError: the pass would cover steps planned for another number
+                of ranks (an epoch resumed on another number of processes).
+        """
+        generation, start, world = self.generation, self.start, plan.num_replicas
+        if plan.step_starts is not None and np.any(np.diff(plan.step_starts[start:]) != world):
+            raise ValueError(
+                f"epoch {self.epoch} was resumed on {world} processes after steps planned for another "
+                f"number of processes, and those steps cannot be shared out again; call "
+                f"set_epoch({self.epoch + 1}) to start the next epoch"
+            )
+        # A pass starts where the cursor says: every step before it has been trained.
+        self.handed_out = self.trained = start
+        slots = [rank] if rank is not None else range(world)
+        for step in range(start, plan.num_steps):
+            for slot in slots:
+                if self.generation != generation:
+                    return  # the plan changed: stop this pass, and leave the new plan's position alone
+                if slot == slots[-1]:
+                    # Counted as the step's last batch goes out, not when the next one is asked for:
+                    # a DataLoader without workers asks only when it needs it, so k batches taken
+                    # are k steps handed out (in the global plan, a step is every rank's batch).
+                    self.handed_out = step + 1
+                yield plan.batch(plan.step_start(step) + slot).tolist()
+        if self.generation == generation:
+            self.start = 0
+
 
 @dataclass(frozen=True)
 class Saved:
@@ -76,9 +114,10 @@ class Saved:
     steps_done: int
 
 
-class Settings(Protocol):
-    """The sampler's settings that a resumed sampler must share (the plan depends on them)."""
+class Sampler(Protocol):
+    """What a state is saved from and checked against: the sampler's data, settings and epoch."""
 
+    lengths: np.ndarray
     cost: CostModel
     shuffle: bool
     seed: int
@@ -87,9 +126,15 @@ class Settings(Protocol):
     drop_last: bool
     oversize: str
 
+    @property
+    def epoch(self) -> int: ...
 
-def settings_of(sampler: Settings) -> dict[str, Any]:
-    """The saved settings, JSON-ready."""
+    @property
+    def max_tokens(self) -> float: ...
+
+
+def settings_of(sampler: Sampler) -> dict[str, Any]:
+    """The settings a resumed sampler must share (the plan depends on them), JSON-ready."""
     cost = sampler.cost
     return {
         "cost": [cost.linear, cost.quadratic, cost.per_sample, cost.pad_to_multiple_of],
@@ -107,18 +152,18 @@ def lengths_digest(lengths: np.ndarray) -> str:
     return hashlib.blake2b(lengths.tobytes(), digest_size=16).hexdigest()
 
 
-def state(
-    *, num_samples: int, digest: str, settings: dict[str, Any], epoch: int, max_tokens: float,
-    history: History, steps_done: int,
-) -> dict[str, Any]:  # fmt: skip
-    """A sampler's ``state_dict()``: plain values only, so that it survives JSON and ``torch.save``."""
+def state(sampler: Sampler, digest: str, history: History, steps_done: int) -> dict[str, Any]:
+    """``sampler.state_dict()``: plain values only, so that it survives JSON and ``torch.save``.
+
+    ``digest`` is the sampler's :func:`lengths_digest`; ``history`` names the ranks of every part.
+    """
     return {
         "version": STATE_VERSION,
-        "num_samples": num_samples,
+        "num_samples": len(sampler.lengths),
         "lengths_digest": digest,
-        "settings": settings,
-        "epoch": epoch,
-        "max_tokens": max_tokens,
+        "settings": settings_of(sampler),
+        "epoch": sampler.epoch,
+        "max_tokens": sampler.max_tokens,
         "epoch_max_tokens": history.max_tokens,
         "epoch_num_replicas": history.num_replicas,
         "replans": [[r.steps_done, r.max_tokens, r.num_replicas] for r in history.replans],
@@ -126,11 +171,13 @@ def state(
     }
 
 
-def read_state(state: Any, *, num_samples: int, digest: str, settings: dict[str, Any]) -> Saved:
-    """What ``state`` says, every field checked; a message names the field that is wrong.
+def read_state(state: Any, sampler: Sampler, digest: str) -> Saved:
+    """What ``state`` says for ``sampler`` (``digest``: its lengths'), every field checked.
+
+    A message names the field that is wrong.
 
     What needs the plan (that each re-plan and ``steps_done`` lie within it)
-    is the sampler's to check, before it changes anything.
+    is checked by :func:`resume`.
 
     Raises:
         TypeError: ``state`` or a field of it has the wrong type.
@@ -152,6 +199,7 @@ def read_state(state: Any, *, num_samples: int, digest: str, settings: dict[str,
             f"state is not a TokenBudgetBatchSampler state_dict (version {version}): unknown keys "
             f"{sorted(unknown)}, missing keys {sorted(missing)}"
         )
+    num_samples, settings = len(sampler.lengths), settings_of(sampler)
     if state["num_samples"] != num_samples or state["lengths_digest"] != digest:
         raise ValueError(
             f"state was saved for a different dataset (state['num_samples']={state['num_samples']!r}, "
@@ -176,6 +224,31 @@ def read_state(state: Any, *, num_samples: int, digest: str, settings: dict[str,
     steps_done = _checks.non_negative_int("state['steps_done']", state["steps_done"])
     replans = _read_replans(state["replans"], world if version == 1 else None)
     return Saved(epoch, max_tokens, History(epoch_max_tokens, world, replans), steps_done)
+
+
+def resume(saved: Saved, world: int, make_plan: Callable[[History, list[str]], Plan]) -> tuple[History, Plan]:
+    """The history and plan to resume ``saved`` with on ``world`` ranks; raises before anything changes.
+
+    ``make_plan(history, names)`` plans the saved epoch, naming the state's
+    fields in its errors. On another number of ranks, the steps trained stay
+    as they were and what is left is planned again for ``world`` ranks.
+    """
+    history = saved.history
+    names = ["state['epoch_max_tokens']"] + [f"state['replans'][{i}]" for i in range(len(history.replans))]
+    plan = make_plan(history, names)
+    history.check_steps_done(saved.steps_done, plan, "state['steps_done']")
+    if history.world(world) == world:
+        return history, plan
+    history = history.then(Replan(saved.steps_done, saved.max_tokens, world))
+    names.append(f"the rest after state['steps_done']={saved.steps_done}, on {world} ranks,")
+    plan = make_plan(history, names)
+    logger.info(
+        "epoch %d: resumed at step %d on %d processes; what is left is planned again for them",
+        saved.epoch,
+        saved.steps_done,
+        world,
+    )
+    return history, plan
 
 
 def _compare_settings(saved: dict[str, Any], settings: dict[str, Any]) -> None:

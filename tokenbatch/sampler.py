@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -11,7 +12,7 @@ import numpy as np
 from torch.utils.data import Sampler
 
 from tokenbatch import _checks, _state, distributed
-from tokenbatch._history import History, Planner, Replan, check_oversize, per_sample_costs
+from tokenbatch._history import History, Planner, Replan, check_oversize, check_rank, per_sample_costs
 from tokenbatch._state import EpochPosition
 from tokenbatch.cost import CostModel
 from tokenbatch.plan import OVERSIZE_POLICIES, Plan
@@ -121,33 +122,26 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
             None if num_replicas is None else _checks.positive_int("num_replicas", num_replicas)
         )
         self.rank = None if rank is None else _checks.non_negative_int("rank", rank)
-        if self.rank is not None and self._num_replicas is not None and self.rank >= self._num_replicas:
-            raise ValueError(
-                f"rank should be below num_replicas={self._num_replicas}, but got rank={self.rank}; "
-                f"ranks count from 0"
-            )
+        if self._num_replicas is not None:
+            check_rank(self.rank, self._num_replicas)
         # Sort keys and per-sample costs are computed once for the dataset.
         self._keys = np.asarray(self.cost.padded_length(self.lengths), dtype=np.int64)
         self._unit = per_sample_costs(self.cost, self._keys)
         self._max_tokens = _checks.positive_number("max_tokens", max_tokens)
         check_oversize(self._keys, self._unit, self._max_tokens, self.oversize)
         self._position = EpochPosition()
-        # How this epoch's plan came about (see _history): its first budget and number of ranks
-        # (None: the sampler's, read when planned), then every re-plan.
+        # How this epoch's plan came about (_history): first budget and ranks (None: read when planned).
         self._epoch_max_tokens = self._max_tokens
         self._epoch_world: int | None = None
         self._replans: tuple[Replan, ...] = ()
         self._cache: tuple[tuple[Any, ...], Plan] | None = None
-        self._digest: str | None = None
 
     # -- what the plan is --------------------------------------------------------
 
     @property
     def num_replicas(self) -> int:
         """The world size the plan is made for."""
-        if self._num_replicas is not None:
-            return self._num_replicas
-        return distributed.world_size()
+        return self._num_replicas if self._num_replicas is not None else distributed.world_size()
 
     @property
     def max_tokens(self) -> float:
@@ -160,11 +154,7 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
 
     @property
     def position(self) -> EpochPosition:
-        """Where this epoch is: the one cursor the OOM guard and the integrations read.
-
-        The sampler moves it as it plans and yields; a training loop sets
-        ``position.trained`` after each step it trained (``OOMFallback`` does).
-        """
+        """Where this epoch is: the one cursor, moved by the sampler; loops set ``position.trained``."""
         return self._position
 
     @property
@@ -184,6 +174,18 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
     def _history(self) -> History:
         return History(self._epoch_max_tokens, self._epoch_world, self._replans)
 
+    def _switch(
+        self, epoch: int, max_tokens: float, history: History, step: int, plan: Plan | None = None
+    ) -> None:
+        """Go to ``epoch``'s plan after ``history`` (``plan``, where made already), from ``step`` on."""
+        self._position.epoch, self._max_tokens = epoch, max_tokens
+        self._epoch_max_tokens, self._epoch_world, self._replans = (
+            history.max_tokens, history.num_replicas, history.replans,
+        )  # fmt: skip
+        if plan is not None:
+            self._cache = ((epoch, self.num_replicas, history), plan)
+        self._position.move_to(step)
+
     def steps_in_epoch(self, epoch: int, max_tokens: float | None = None) -> int:
         """Global steps of epoch ``epoch``'s plan under ``max_tokens`` (default: the budget in force).
 
@@ -196,20 +198,11 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
 
     def _make_plan(self, epoch: int, history: History, names: list[str] | None = None) -> Plan:
         world = self.num_replicas
-        if self.rank is not None and self.rank >= world:
-            raise ValueError(
-                f"rank should be below num_replicas={world}, but got rank={self.rank}; ranks count from 0"
-            )
+        check_rank(self.rank, world)
         planner = Planner(
-            self._keys,
-            self._unit,
-            self.shuffle,
-            self.seed,
-            self.max_batch_size,
-            self.batch_size_multiple,
-            self.drop_last,
-            self.oversize,
-        )
+            self._keys, self._unit, self.shuffle, self.seed, self.max_batch_size,
+            self.batch_size_multiple, self.drop_last, self.oversize,
+        )  # fmt: skip
         return planner.plan(epoch, history, world, names=names)
 
     def stats(self) -> PlanStats:
@@ -240,10 +233,7 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
 
     def _budget_per_batch(self) -> np.ndarray:
         """The budget each batch of this epoch's plan was made under."""
-        budgets = np.full(self.plan.num_batches, self._epoch_max_tokens)
-        for replan in self._replans:
-            budgets[self.plan.step_start(replan.steps_done) :] = replan.max_tokens
-        return budgets
+        return self._history.budget_per_batch(self.plan)
 
     # -- iteration ---------------------------------------------------------------
 
@@ -252,31 +242,7 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
         return plan.num_steps - start if self.rank is not None else plan.num_batches - plan.step_start(start)
 
     def __iter__(self) -> Iterator[list[int]]:
-        plan, position = self.plan, self._position
-        generation, start = position.generation, position.start
-        world = plan.num_replicas
-        if plan.step_starts is not None and np.any(np.diff(plan.step_starts[start:]) != world):
-            raise ValueError(
-                f"epoch {self.epoch} was resumed on {world} processes after steps planned for another "
-                f"number of processes, and those steps cannot be shared out again; call "
-                f"set_epoch({self.epoch + 1}) to start the next epoch"
-            )
-        # A pass starts where the epoch's cursor says: every step before it has been trained.
-        position.handed_out = position.trained = start
-        slots = [self.rank] if self.rank is not None else range(world)
-        last = slots[-1]
-        for step in range(start, plan.num_steps):
-            for slot in slots:
-                if position.generation != generation:
-                    return  # the plan changed (re-plan, new epoch, resume): stop this pass
-                if slot == last:
-                    # Counted as the step's last batch goes out, not when the next one is asked for:
-                    # a DataLoader without workers asks only when it needs it, so k batches taken
-                    # are k steps handed out (in the global plan, a step is every rank's batch).
-                    position.handed_out = step + 1
-                yield plan.batch(plan.step_start(step) + slot).tolist()
-        if position.generation == generation:
-            position.start = 0
+        yield from self._position.walk(self.plan, self.rank)  # the plan as it is at the first batch
 
     def set_epoch(self, epoch: int) -> None:
         """Start epoch ``epoch`` (a new plan); the current epoch again is a no-op.
@@ -291,103 +257,65 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
         epoch = _checks.non_negative_int("epoch", epoch)
         if epoch == self._position.epoch:
             return
-        self._position.epoch = epoch
-        self._epoch_max_tokens, self._epoch_world, self._replans = self._max_tokens, None, ()
-        self._position.move_to(0)
+        self._switch(epoch, self._max_tokens, History(self._max_tokens), 0)
 
     def replan(self, max_tokens: float, *, steps_done: int) -> None:
         """Change the budget and re-plan every sample after the first ``steps_done`` steps.
 
-        The first ``steps_done`` global steps of this epoch stay as they were
-        (they have been trained on); everything after them, including any
-        batch already fetched but not trained, is planned again under the new
-        budget. The next iteration starts at step ``steps_done`` of the new
-        plan, and later epochs keep the new budget. A running iterator stops.
+        The first ``steps_done`` global steps stay as they were (trained);
+        everything after them, fetched or not, is planned again under the new
+        budget. The next iteration starts at step ``steps_done``, later epochs
+        keep the new budget, and a running iterator stops.
 
         Raises:
             OversizeSampleError: a remaining sample alone exceeds the new budget
-                (with ``oversize="error"``); the sampler is left unchanged.
+                (``oversize="error"``); the sampler is left unchanged.
+            ValueError: ``steps_done`` is beyond the plan, or before the last re-plan.
         """
         max_tokens = _checks.positive_number("max_tokens", max_tokens)
         steps_done = _checks.non_negative_int("steps_done", steps_done)
-        self._check_steps(steps_done)
-        last = self._replans[-1].steps_done if self._replans else 0
-        if steps_done < last:
-            raise ValueError(
-                f"steps_done should be at least {last}, the step epoch {self.epoch} was last re-planned "
-                f"at (the steps before it have been trained), but got steps_done={steps_done}"
-            )
+        self._history.check_steps_done(steps_done, self.plan)
         history = self._history.then(Replan(steps_done, max_tokens, self.num_replicas))
         plan = self._make_plan(self.epoch, history)  # raises before any change
-        self._replans = history.replans
-        self._cache = ((self.epoch, self.num_replicas, history), plan)
-        self._max_tokens = max_tokens
-        self._position.move_to(steps_done)
+        self._switch(self.epoch, max_tokens, history, steps_done, plan)
         logger.info(
             "epoch %d: re-planned from step %d under max_tokens=%g", self.epoch, steps_done, max_tokens
         )
 
     # -- checkpointing -----------------------------------------------------------
 
+    @functools.cached_property
     def _lengths_digest(self) -> str:
-        if self._digest is None:
-            self._digest = _state.lengths_digest(self.lengths)
-        return self._digest
-
-    def _check_steps(self, steps_done: int) -> None:
-        if steps_done > self.plan.num_steps:
-            raise ValueError(
-                f"steps_done should be at most the {self.plan.num_steps} steps of epoch "
-                f"{self.epoch}, but got steps_done={steps_done}"
-            )
+        return _state.lengths_digest(self.lengths)
 
     def state_dict(self, *, steps_done: int | None = None) -> dict[str, Any]:
-        """Everything needed to resume this epoch at the same sample with the same budget.
-
-        Any rank may save it and any rank load it, also on another number of
-        processes (see :meth:`load_state_dict`).
+        """Everything needed to resume this epoch at the same sample with the same budget, on any rank.
 
         Args:
-            steps_done: steps trained so far in this epoch; this count is
-                exact, so pass it when the loop has it: ``OOMFallback.steps_done``,
-                or ``sampler.position.trained`` where the loop counts it. The
-                default is the steps this sampler has handed out: a step counts
-                once its last batch has been yielded (every rank's batch, for
-                the global plan). That is exact for a ``DataLoader`` without
-                workers, read by the loop one batch at a time. A prefetching
-                DataLoader runs ahead of training: with ``num_workers > 0`` it
-                reads ``prefetch_factor * num_workers`` batches ahead, and
-                accelerate's prepared DataLoader reads one batch ahead, so the
-                default would skip the steps read but not trained.
+            steps_done: steps trained so far in this epoch, exact where the loop
+                counts them (``OOMFallback.steps_done``, ``sampler.position.trained``).
+                The default, the steps handed out (a step counts once its last
+                batch is yielded: every rank's, in the global plan), is exact
+                for a ``DataLoader`` without workers. A prefetching one runs
+                ahead of training (``num_workers > 0`` by ``prefetch_factor *
+                num_workers`` batches; accelerate's prepared DataLoader by one):
+                then pass ``steps_done``, or the steps read ahead are skipped.
 
         Raises:
-            ValueError: ``steps_done`` is more than the steps of this epoch.
+            ValueError: ``steps_done`` is beyond this epoch's plan, or before its last re-plan.
         """
         done = self._position.handed_out
         if steps_done is not None:
             done = _checks.non_negative_int("steps_done", steps_done)
-            self._check_steps(done)
-        history = self._history
-        if history.num_replicas is None:  # a fresh epoch: planned for the ranks there are now
-            history = History(history.max_tokens, self.num_replicas, history.replans)
-        return _state.state(
-            num_samples=len(self.lengths),
-            digest=self._lengths_digest(),
-            settings=_state.settings_of(self),
-            epoch=self.epoch,
-            max_tokens=self._max_tokens,
-            history=history,
-            steps_done=done,
-        )
+            self._history.check_steps_done(done, self.plan)
+        return _state.state(self, self._lengths_digest, self._history.on(self.num_replicas), done)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume from :meth:`state_dict`: the next iteration yields exactly the batches not yet done.
+        """Resume from :meth:`state_dict` (of any rank): the next iteration yields the batches not yet done.
 
-        The state may come from any rank, and from another number of
-        processes: then the steps trained stay as they were (global steps of
-        the old number of processes) and the samples not yet trained are
-        planned again for this one, whose steps follow. Every field is
-        checked before anything changes: on an error the sampler is as it was.
+        From another number of processes, the steps trained stay as they were
+        (its global steps) and what is left is planned again for this one,
+        whose steps follow. Every field is checked before anything changes.
 
         Raises:
             TypeError: a field of the state has the wrong type.
@@ -395,34 +323,8 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
                 a field is out of range (the message names it), or what is left
                 cannot give every one of this many processes a batch.
         """
-        settings = _state.settings_of(self)
-        saved = _state.read_state(
-            state, num_samples=len(self.lengths), digest=self._lengths_digest(), settings=settings
+        saved = _state.read_state(state, self, self._lengths_digest)
+        history, plan = _state.resume(
+            saved, self.num_replicas, lambda h, names: self._make_plan(saved.epoch, h, names)
         )
-        history, world = saved.history, self.num_replicas
-        names = [
-            "state['epoch_max_tokens']",
-            *(f"state['replans'][{i}]" for i in range(len(history.replans))),
-        ]
-        plan = self._make_plan(saved.epoch, history, names)
-        if saved.steps_done > plan.num_steps:
-            raise ValueError(
-                f"state['steps_done'] should be at most the {plan.num_steps} steps of its epoch's plan, "
-                f"but got state['steps_done']={saved.steps_done}"
-            )
-        if history.world(world) != world:  # saved on another number of processes: re-plan what is left
-            history = history.then(Replan(saved.steps_done, saved.max_tokens, world))
-            names.append(f"the rest after state['steps_done']={saved.steps_done}, on {world} processes,")
-            plan = self._make_plan(saved.epoch, history, names)
-            logger.info(
-                "epoch %d: resumed at step %d on %d processes; what is left is planned again for them",
-                saved.epoch,
-                saved.steps_done,
-                world,
-            )
-        self._position.epoch, self._max_tokens = saved.epoch, saved.max_tokens
-        self._epoch_max_tokens, self._epoch_world, self._replans = (
-            history.max_tokens, history.num_replicas, history.replans,
-        )  # fmt: skip
-        self._cache = ((saved.epoch, world, history), plan)
-        self._position.move_to(saved.steps_done)
+        self._switch(saved.epoch, saved.max_tokens, history, saved.steps_done, plan)
