@@ -8,11 +8,13 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from torch.utils.data import DataLoader
 
-from tokenbatch import CostModel, TokenBudgetBatchSampler
+from tokenbatch import CostModel, OOMFallback, TokenBudgetBatchSampler
+from tokenbatch.testing import inject_oom
 
 SETTINGS = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -346,3 +348,44 @@ def test_an_epoch_resumed_on_another_number_of_processes_is_not_passed_over_agai
     fresh = TokenBudgetBatchSampler(V1_LENGTHS, 40, seed=3, num_replicas=1)
     fresh.set_epoch(1)
     assert list(sampler) == list(fresh)
+
+
+class Tiny(torch.nn.Module):
+    """A one-parameter model over padded token ids: enough for the guard to train and fail."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(()))
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        return (input_ids * attention_mask).float().mean(dim=1) * self.weight
+
+
+def test_the_guard_resumes_a_two_process_checkpoint_on_one_and_recovers_from_oom() -> None:
+    lengths = np.random.default_rng(0).integers(4, 60, size=200).tolist()
+
+    def collate(indices: list[int]) -> dict[str, torch.Tensor]:
+        width = max(lengths[i] for i in indices)
+        mask = torch.tensor([[1] * lengths[i] + [0] * (width - lengths[i]) for i in indices])
+        return {"input_ids": mask * 3, "attention_mask": mask, "idx": torch.tensor(indices)}
+
+    before = TokenBudgetBatchSampler(lengths, 256, seed=0, num_replicas=2)
+    trained = flat(list(before)[: 3 * 2])  # 3 global steps of 2 processes
+    checkpoint = {"sampler": before.state_dict(steps_done=3)}
+    sampler = TokenBudgetBatchSampler(lengths, 256, seed=0, num_replicas=1)
+    model = Tiny()
+    fallback = OOMFallback(sampler, model, mode="halve")
+    sampler.load_state_dict(checkpoint["sampler"])
+    assert fallback.steps_done == 3  # the old world's steps; this one's follow
+    loader = DataLoader(list(range(len(lengths))), batch_sampler=sampler, collate_fn=collate)
+    with inject_oom(model, 150, times=1, after=2):  # the third batch after the resume fails
+        for batch in fallback.iterate(loader):
+            loss = fallback.backward(batch, lambda b: model(b["input_ids"], b["attention_mask"]).mean())
+            if loss is not None:
+                trained += batch["idx"].tolist()
+    assert sorted(trained) == list(range(len(lengths)))  # every sample once, across both worlds
+    [event] = fallback.events
+    assert event.step == 3 + 2 and fallback.steps_done == sampler.plan.num_steps
+    state = sampler.state_dict(steps_done=fallback.steps_done)
+    assert state["epoch_num_replicas"] == 2  # started on 2, re-planned for 1, then under a smaller budget
+    assert [r[0] for r in state["replans"]] == [3, 5] and [r[2] for r in state["replans"]] == [1, 1]
