@@ -144,9 +144,9 @@ def test_position_is_the_one_cursor_of_the_epoch() -> None:
     sampler = TokenBudgetBatchSampler(long_tailed(400), 512, num_replicas=2, seed=1)
     position = sampler.position
     iterator = iter(sampler)
-    for _ in range(4):  # two whole steps; the second step's last batch is still out
+    for _ in range(4):  # two whole steps: a step counts as handed out with its last batch
         next(iterator)
-    assert (position.start, position.handed_out, position.trained) == (0, 1, 0)
+    assert (position.start, position.handed_out, position.trained) == (0, 2, 0)
     generation = position.generation
     sampler.replan(256, steps_done=1)
     assert (position.start, position.handed_out, position.trained) == (1, 1, 1)
@@ -268,7 +268,7 @@ def test_load_state_dict_rejects_other_dataset_settings_and_keys() -> None:
         sampler.load_state_dict({**state, "extra": 1})
     with pytest.raises(ValueError, match="version"):
         sampler.load_state_dict({**state, "version": 99})
-    with pytest.raises(ValueError, match="steps_done=99"):
+    with pytest.raises(ValueError, match=r"state\['steps_done'\]=99"):
         sampler.load_state_dict({**state, "steps_done": 99})
     # The budget in the state wins over the constructor's: a resumed run keeps its halved budget.
     resumed = TokenBudgetBatchSampler([5, 6, 7, 8], 100, seed=1)

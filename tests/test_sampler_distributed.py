@@ -1,7 +1,8 @@
-"""The sampler under two real processes: accelerate's prepare and a plain DDP loop."""
+"""The sampler under two real processes: accelerate's prepare and a plain DDP loop, and resumes."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -9,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from torch.utils.data import DataLoader
 
 from tokenbatch import TokenBudgetBatchSampler
 
@@ -56,3 +58,43 @@ def test_two_processes_see_every_sample_once(tmp_path: Path) -> None:
     first = [b for rank in report["epochs"][0] for b in rank["accelerate"]["batches"]]
     second = [b for rank in report["epochs"][1] for b in rank["accelerate"]["batches"]]
     assert first != second  # shuffled per epoch, on both ranks alike
+
+
+@pytest.mark.slow
+def test_two_processes_resume_checkpoints_of_one_and_three_processes(tmp_path: Path) -> None:
+    """Every sample once: the steps trained before (1 or 3 processes), then what 2 real ranks get."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        from sampler_distributed import LENGTHS, SETTINGS
+    finally:
+        sys.path.pop(0)
+    states, trained = {}, {}
+    for before, steps in ((1, 7), (3, 4)):
+        sampler = TokenBudgetBatchSampler(LENGTHS, **SETTINGS, num_replicas=before)
+        loader = DataLoader(list(range(len(LENGTHS))), batch_sampler=sampler)
+        taken = [batch.tolist() for batch in itertools.islice(iter(loader), steps * before)]
+        states[before] = sampler.state_dict()  # what a loop without workers saves
+        assert states[before]["steps_done"] == steps
+        trained[before] = taken
+    (tmp_path / "states.json").write_text(json.dumps(states))
+    out = tmp_path / "resumed.json"
+    command = [
+        sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+        "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+        "--main_process_port", "0", str(SCRIPT.parent / "sampler_resume.py"),
+        str(tmp_path / "states.json"), str(out),
+    ]  # fmt: skip
+    result = subprocess.run(command, env=launch_env(), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-4000:]
+    report = json.loads(out.read_text())
+    assert report["world"] == 2
+    for before, ranks in report["resumed"].items():
+        steps = states[int(before)]["steps_done"]
+        assert [rank["start_step"] for rank in ranks] == [steps, steps]
+        for mode in ("accelerate", "ddp"):
+            per_rank = [rank[mode]["batches"] for rank in ranks]
+            assert [rank[mode]["len"] for rank in ranks] == [len(b) for b in per_rank]
+            assert len(per_rank[0]) == len(per_rank[1]) > 0  # each rank the same number of batches
+            ids = [i for batches in [trained[int(before)], *per_rank] for batch in batches for i in batch]
+            assert sorted(ids) == list(range(len(LENGTHS)))  # every sample exactly once
+        assert [rank["accelerate"]["batches"] for rank in ranks] == [rank["ddp"]["batches"] for rank in ranks]

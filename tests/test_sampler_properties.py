@@ -210,7 +210,7 @@ def test_resume_at_any_position_yields_exactly_the_rest(case: Case, data: st.Dat
     # ... and per rank, for plain DDP loops
     rank = data.draw(st.integers(0, world - 1))
     local = case.sampler(rank=rank)
-    local.load_state_dict({**state, "settings": local.state_dict()["settings"]})
+    local.load_state_dict(state)  # the global sampler's state: the rank is not compared
     assert list(local) == batches[done * world + rank :: world]
     # After the resumed epoch the next pass is a whole epoch again.
     assert list(resumed) == batches

@@ -1,4 +1,4 @@
-"""Where a :class:`~tokenbatch.TokenBudgetBatchSampler`'s epoch is, and the checks of a saved state.
+"""Where a :class:`~tokenbatch.TokenBudgetBatchSampler`'s epoch is, and its saved state, checked.
 
 :class:`EpochPosition` is the one cursor of an epoch. The sampler owns it and
 moves it when it plans, yields and re-plans; the training loop (the OOM
@@ -9,18 +9,34 @@ re-plan, the progress bar) reads it, rather than keeping a count of its own::
     step:      0    1    2    3    4    5    6   (the epoch's plan)
     trained    ^^^^^^^^^^^                        trained = 3
     handed out ^^^^^^^^^^^^^^^^^^^                handed_out = 5: the DataLoader reads ahead
+
+A saved state (version 2) holds the dataset's fingerprint, the settings the
+plan depends on, and the epoch's history (:mod:`tokenbatch._history`) with
+the number of ranks of each part; nothing in it depends on the rank, and a
+state from another number of ranks is resumed by re-planning what is left.
+Version 1 states (one number of ranks for the whole epoch, kept in the
+settings) are still read.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
-STATE_VERSION = 1
-STATE_KEYS = {
+from tokenbatch import _checks
+from tokenbatch._history import History, Replan
+from tokenbatch.cost import CostModel
+from tokenbatch.plan import Plan
+
+logger = logging.getLogger("tokenbatch.sampler")
+
+STATE_VERSION = 2
+_KEYS_V1 = {
     "version",
     "num_samples",
     "lengths_digest",
@@ -31,6 +47,8 @@ STATE_KEYS = {
     "replans",
     "steps_done",
 }
+STATE_KEYS = {*_KEYS_V1, "epoch_num_replicas"}
+_WORLD_SETTINGS = ("num_replicas", "rank")  # in version 1's settings; they need not match
 
 
 @dataclass
@@ -52,48 +70,224 @@ class EpochPosition:
         self.start = self.handed_out = self.trained = step
         self.generation += 1
 
+    def walk(self, plan: Plan, rank: int | None) -> Iterator[list[int]]:
+        """One pass over ``plan`` from ``start``: ``rank``'s batch of each step, or every rank's (None).
+
+        The cursor moves as batches go out; the pass stops when the plan
+        changes under it (a re-plan, a new epoch, a resume).
+
+        Raises:
+            ValueError: the pass would cover steps planned for another number
+                of ranks (an epoch resumed on another number of processes).
+        """
+        generation, start, world = self.generation, self.start, plan.num_replicas
+        if plan.step_starts is not None and np.any(np.diff(plan.step_starts[start:]) != world):
+            raise ValueError(
+                f"epoch {self.epoch} was resumed on {world} processes after steps planned for another "
+                f"number of processes, and those steps cannot be shared out again; call "
+                f"set_epoch({self.epoch + 1}) to start the next epoch"
+            )
+        # A pass starts where the cursor says: every step before it has been trained.
+        self.handed_out = self.trained = start
+        slots = [rank] if rank is not None else range(world)
+        for step in range(start, plan.num_steps):
+            for slot in slots:
+                if self.generation != generation:
+                    return  # the plan changed: stop this pass, and leave the new plan's position alone
+                if slot == slots[-1]:
+                    # Counted as the step's last batch goes out, not when the next one is asked for:
+                    # a DataLoader without workers asks only when it needs it, so k batches taken
+                    # are k steps handed out (in the global plan, a step is every rank's batch).
+                    self.handed_out = step + 1
+                yield plan.batch(plan.step_start(step) + slot).tolist()
+        if self.generation == generation:
+            self.start = 0
+
+
+@dataclass(frozen=True)
+class Saved:
+    """What a checked state says: the epoch, the budget in force, how the epoch's plan came about."""
+
+    epoch: int
+    max_tokens: float
+    history: History
+    steps_done: int
+
+
+class Sampler(Protocol):
+    """What a state is saved from and checked against: the sampler's data, settings and epoch."""
+
+    lengths: np.ndarray
+    cost: CostModel
+    shuffle: bool
+    seed: int
+    max_batch_size: int | None
+    batch_size_multiple: int
+    drop_last: bool
+    oversize: str
+
+    @property
+    def epoch(self) -> int: ...
+
+    @property
+    def max_tokens(self) -> float: ...
+
+
+def settings_of(sampler: Sampler) -> dict[str, Any]:
+    """The settings a resumed sampler must share (the plan depends on them), JSON-ready."""
+    cost = sampler.cost
+    return {
+        "cost": [cost.linear, cost.quadratic, cost.per_sample, cost.pad_to_multiple_of],
+        "shuffle": sampler.shuffle,
+        "seed": sampler.seed,
+        "max_batch_size": sampler.max_batch_size,
+        "batch_size_multiple": sampler.batch_size_multiple,
+        "drop_last": sampler.drop_last,
+        "oversize": sampler.oversize,
+    }
+
 
 def lengths_digest(lengths: np.ndarray) -> str:
     """A short fingerprint of the dataset's lengths, to refuse a state saved for other data."""
     return hashlib.blake2b(lengths.tobytes(), digest_size=16).hexdigest()
 
 
-def check_state(state: Any, *, num_samples: int, digest: str, settings: dict[str, Any]) -> None:
-    """Raise unless ``state`` is a state_dict of this version for this dataset and these settings.
+def state(sampler: Sampler, digest: str, history: History, steps_done: int) -> dict[str, Any]:
+    """``sampler.state_dict()``: plain values only, so that it survives JSON and ``torch.save``.
+
+    ``digest`` is the sampler's :func:`lengths_digest`; ``history`` names the ranks of every part.
+    """
+    return {
+        "version": STATE_VERSION,
+        "num_samples": len(sampler.lengths),
+        "lengths_digest": digest,
+        "settings": settings_of(sampler),
+        "epoch": sampler.epoch,
+        "max_tokens": sampler.max_tokens,
+        "epoch_max_tokens": history.max_tokens,
+        "epoch_num_replicas": history.num_replicas,
+        "replans": [[r.steps_done, r.max_tokens, r.num_replicas] for r in history.replans],
+        "steps_done": steps_done,
+    }
+
+
+def read_state(state: Any, sampler: Sampler, digest: str) -> Saved:
+    """What ``state`` says for ``sampler`` (``digest``: its lengths'), every field checked.
+
+    A message names the field that is wrong.
+
+    What needs the plan (that each re-plan and ``steps_done`` lie within it)
+    is checked by :func:`resume`.
 
     Raises:
-        TypeError: ``state`` is not a dict.
-        ValueError: unknown or missing keys, another version, dataset or settings.
+        TypeError: ``state`` or a field of it has the wrong type.
+        ValueError: unknown or missing keys, another version, dataset or
+            settings, or a value out of range.
     """
     if not isinstance(state, dict):
         raise TypeError(f"state should be a dict from state_dict(), but got {type(state).__name__}")
-    unknown = set(state) - STATE_KEYS
-    missing = STATE_KEYS - set(state)
+    version = state.get("version")
+    if type(version) is not int or version not in (1, STATE_VERSION):
+        raise ValueError(
+            f"state['version'] should be 1 or {STATE_VERSION}, the versions this tokenbatch reads, but "
+            f"got state['version']={version!r}; resume with the tokenbatch that saved it"
+        )
+    keys = _KEYS_V1 if version == 1 else STATE_KEYS
+    unknown, missing = set(state) - keys, keys - set(state)
     if unknown or missing:
         raise ValueError(
-            f"state is not a TokenBudgetBatchSampler state_dict: unknown keys {sorted(unknown)}, "
-            f"missing keys {sorted(missing)}"
+            f"state is not a TokenBudgetBatchSampler state_dict (version {version}): unknown keys "
+            f"{sorted(unknown)}, missing keys {sorted(missing)}"
         )
-    if state["version"] != STATE_VERSION:
-        raise ValueError(
-            f"state has version={state['version']!r}, but this tokenbatch reads version "
-            f"{STATE_VERSION}; resume with the tokenbatch that saved it"
-        )
+    num_samples, settings = len(sampler.lengths), settings_of(sampler)
     if state["num_samples"] != num_samples or state["lengths_digest"] != digest:
         raise ValueError(
-            f"state was saved for a different dataset ({state['num_samples']} samples, lengths "
-            f"digest {state['lengths_digest']}) than this sampler's ({num_samples} samples, "
-            f"digest {digest}); build the sampler from the same lengths"
+            f"state was saved for a different dataset (state['num_samples']={state['num_samples']!r}, "
+            f"state['lengths_digest']={state['lengths_digest']!r}) than this sampler's ({num_samples} "
+            f"samples, digest {digest!r}); build the sampler from the same lengths"
         )
-    saved = dict(state["settings"])
+    saved = state["settings"]
+    if not isinstance(saved, dict):
+        raise TypeError(
+            f"state['settings'] should be the dict of sampler settings state_dict() saved, but got "
+            f"state['settings']={saved!r:.100}"
+        )
+    if version == 1:
+        world = _checks.positive_int("state['settings']['num_replicas']", saved.get("num_replicas"))
+        saved = {k: v for k, v in saved.items() if k not in _WORLD_SETTINGS}
+    else:
+        world = _checks.positive_int("state['epoch_num_replicas']", state["epoch_num_replicas"])
+    _compare_settings(saved, settings)
+    epoch = _checks.non_negative_int("state['epoch']", state["epoch"])
+    max_tokens = _checks.positive_number("state['max_tokens']", state["max_tokens"])
+    epoch_max_tokens = _checks.positive_number("state['epoch_max_tokens']", state["epoch_max_tokens"])
+    steps_done = _checks.non_negative_int("state['steps_done']", state["steps_done"])
+    replans = _read_replans(state["replans"], world if version == 1 else None)
+    return Saved(epoch, max_tokens, History(epoch_max_tokens, world, replans), steps_done)
+
+
+def resume(saved: Saved, world: int, make_plan: Callable[[History, list[str]], Plan]) -> tuple[History, Plan]:
+    """The history and plan to resume ``saved`` with on ``world`` ranks; raises before anything changes.
+
+    ``make_plan(history, names)`` plans the saved epoch, naming the state's
+    fields in its errors. On another number of ranks, the steps trained stay
+    as they were and what is left is planned again for ``world`` ranks.
+    """
+    history = saved.history
+    names = ["state['epoch_max_tokens']"] + [f"state['replans'][{i}]" for i in range(len(history.replans))]
+    plan = make_plan(history, names)
+    history.check_steps_done(saved.steps_done, plan, "state['steps_done']")
+    if history.world(world) == world:
+        return history, plan
+    history = history.then(Replan(saved.steps_done, saved.max_tokens, world))
+    names.append(f"the rest after state['steps_done']={saved.steps_done}, on {world} ranks,")
+    plan = make_plan(history, names)
+    logger.info(
+        "epoch %d: resumed at step %d on %d processes; what is left is planned again for them",
+        saved.epoch,
+        saved.steps_done,
+        world,
+    )
+    return history, plan
+
+
+def _compare_settings(saved: dict[str, Any], settings: dict[str, Any]) -> None:
     if saved != settings:
         diff = {
-            k: (saved.get(k), settings.get(k))
+            k: (saved.get(k, "missing"), settings.get(k, "missing"))
             for k in set(saved) | set(settings)
-            if saved.get(k) != settings.get(k)
+            if k not in saved or k not in settings or saved[k] != settings[k]
         }
         changes = ", ".join(f"{k}: saved {a!r}, now {b!r}" for k, (a, b) in sorted(diff.items()))
         raise ValueError(
-            f"state was saved with different sampler settings ({changes}); "
+            f"state['settings'] differ from this sampler's ({changes}); "
             f"build the sampler with the saved settings to resume"
         )
+
+
+def _read_replans(replans: Any, world: int | None) -> tuple[Replan, ...]:
+    """``state['replans']``, each entry at or after the one before.
+
+    Entries are ``[steps_done, max_tokens, num_replicas]``, or in version 1
+    ``[steps_done, max_tokens]`` on the epoch's ``world`` ranks.
+    """
+    fields = "[steps_done, max_tokens" + ("]" if world is not None else ", num_replicas]")
+    if not isinstance(replans, list | tuple):
+        raise TypeError(
+            f"state['replans'] should be a list of {fields}, but got state['replans']={replans!r:.100}"
+        )
+    result: list[Replan] = []
+    for i, entry in enumerate(replans):
+        name = f"state['replans'][{i}]"
+        if not isinstance(entry, list | tuple) or len(entry) != (2 if world is not None else 3):
+            raise ValueError(f"{name} should be {fields}, but got {name}={entry!r:.100}")
+        steps = _checks.non_negative_int(f"{name}[0]", entry[0])
+        budget = _checks.positive_number(f"{name}[1]", entry[1])
+        ranks = world if world is not None else _checks.positive_int(f"{name}[2]", entry[2])
+        if result and steps < result[-1].steps_done:
+            raise ValueError(
+                f"{name} should re-plan at or after the step of the re-plan before it "
+                f"(steps_done={result[-1].steps_done}), but got {name}={entry!r}"
+            )
+        result.append(Replan(steps, budget, ranks))
+    return tuple(result)

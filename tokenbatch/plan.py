@@ -60,7 +60,9 @@ class Plan:
 
     Batch ``b`` is ``order[offsets[b]:offsets[b + 1]]`` (never empty); global
     step ``s`` holds batches ``s * num_replicas`` to ``(s + 1) * num_replicas - 1``,
-    one for each rank in rank order. :func:`tokenbatch.stats.batch_stats`
+    one for each rank in rank order. Where an epoch was resumed on another
+    number of ranks, the steps before keep their width and ``step_starts``
+    says where each step begins. :func:`tokenbatch.stats.batch_stats`
     describes a plan; any batching ``(order, offsets)`` can be wrapped in one.
 
     Example:
@@ -76,6 +78,12 @@ class Plan:
     num_replicas: int
     skipped: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
     dropped: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
+    step_starts: np.ndarray | None = None
+    """Each step's first batch, then the end, where steps differ in width; None: ``num_replicas`` each."""
+
+    def __post_init__(self) -> None:
+        if self.step_starts is not None and np.all(np.diff(self.step_starts) == self.num_replicas):
+            object.__setattr__(self, "step_starts", None)  # one width after all: the plain layout
 
     @property
     def num_batches(self) -> int:
@@ -83,7 +91,12 @@ class Plan:
 
     @property
     def num_steps(self) -> int:
-        return self.num_batches // self.num_replicas
+        starts = self.step_starts
+        return self.num_batches // self.num_replicas if starts is None else len(starts) - 1
+
+    def step_start(self, step: int) -> int:
+        """The index of step ``step``'s first batch (for ``num_steps``: the end of the last step)."""
+        return step * self.num_replicas if self.step_starts is None else int(self.step_starts[step])
 
     def batch(self, index: int) -> np.ndarray:
         return self.order[self.offsets[index] : self.offsets[index + 1]]
@@ -105,28 +118,31 @@ class Plan:
 
     def first_steps(self, steps: int) -> Plan:
         """The plan cut after ``steps`` global steps."""
-        end = steps * self.num_replicas
+        end = self.step_start(steps)
+        starts = None if self.step_starts is None else self.step_starts[: steps + 1]
         return Plan(
-            self.order[: self.offsets[end]],
-            self.offsets[: end + 1],
-            self.num_replicas,
-            self.skipped,
-            self.dropped,
-        )
+            self.order[: self.offsets[end]], self.offsets[: end + 1], self.num_replicas,
+            self.skipped, self.dropped, starts,
+        )  # fmt: skip
 
     def then(self, rest: Plan) -> Plan:
-        """This plan followed by ``rest`` (same number of replicas)."""
+        """This plan followed by ``rest``: each step keeps its width, and ``rest``'s ranks are the plan's."""
+        head, tail = (
+            np.arange(p.num_steps + 1) * p.num_replicas if p.step_starts is None else p.step_starts
+            for p in (self, rest)
+        )
         return Plan(
             np.concatenate([self.order, rest.order]),
             np.concatenate([self.offsets, rest.offsets[1:] + self.offsets[-1]]),
-            self.num_replicas,
+            rest.num_replicas,
             np.concatenate([self.skipped, rest.skipped]),
             np.concatenate([self.dropped, rest.dropped]),
+            np.concatenate([head, tail[1:] + self.num_batches]),
         )
 
     def remaining_after(self, steps: int) -> np.ndarray:
         """Indices of the samples in steps ``steps`` onwards."""
-        return self.order[self.offsets[steps * self.num_replicas] :]
+        return self.order[self.offsets[self.step_start(steps)] :]
 
 
 def oversize_error(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -9,28 +10,14 @@ from typing import Any
 import numpy as np
 from torch.utils.data import Sampler
 
-from tokenbatch import _checks, distributed
-from tokenbatch._state import STATE_VERSION, EpochPosition, check_state, lengths_digest
+from tokenbatch import _checks, _state, distributed
+from tokenbatch._history import History, Planner, Replan, check_oversize, check_rank, per_sample_costs
+from tokenbatch._state import EpochPosition
 from tokenbatch.cost import CostModel
-from tokenbatch.plan import (
-    OVERSIZE_POLICIES,
-    Plan,
-    oversize_error,
-    plan_batches,
-)
+from tokenbatch.plan import OVERSIZE_POLICIES, Plan
 from tokenbatch.stats import PlanStats, batch_stats
 
 logger = logging.getLogger(__name__)
-
-
-def _per_sample_costs(cost: CostModel, keys: np.ndarray) -> np.ndarray:
-    """``cost.sample_cost(keys)``, through a table of the lengths when that is cheaper."""
-    longest = int(keys.max())
-    if longest <= 4 * len(keys):  # one entry per length up to the longest: far fewer than samples
-        table = cost.sample_cost(np.arange(longest + 1))
-        per_sample: np.ndarray = table[keys]
-        return per_sample
-    return cost.sample_cost(keys)
 
 
 class TokenBudgetBatchSampler(Sampler[list[int]]):
@@ -115,40 +102,26 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
             None if num_replicas is None else _checks.positive_int("num_replicas", num_replicas)
         )
         self.rank = None if rank is None else _checks.non_negative_int("rank", rank)
-        if self.rank is not None and self._num_replicas is not None and self.rank >= self._num_replicas:
-            raise ValueError(
-                f"rank should be below num_replicas={self._num_replicas}, but got rank={self.rank}; "
-                f"ranks count from 0"
-            )
+        if self._num_replicas is not None:
+            check_rank(self.rank, self._num_replicas)
         # Sort keys and per-sample costs are computed once for the dataset.
         self._keys = np.asarray(self.cost.padded_length(self.lengths), dtype=np.int64)
-        self._unit = _per_sample_costs(self.cost, self._keys)
+        self._unit = per_sample_costs(self.cost, self._keys)
         self._max_tokens = _checks.positive_number("max_tokens", max_tokens)
-        too_big = np.flatnonzero(self._unit > self._max_tokens)
-        if len(too_big) and self.oversize == "error":
-            raise oversize_error(too_big, self._keys, self._unit, self._max_tokens)
-        if len(too_big) and self.oversize == "alone":
-            logger.warning(
-                "%d sample(s) alone exceed max_tokens=%g and get a batch of their own (oversize='alone'), "
-                "for example sample %d",
-                len(too_big),
-                self._max_tokens,
-                too_big[0],
-            )
+        check_oversize(self._keys, self._unit, self._max_tokens, self.oversize)
         self._position = EpochPosition()
+        # How this epoch's plan came about (_history): first budget and ranks (None: read when planned).
         self._epoch_max_tokens = self._max_tokens
-        self._replans: list[tuple[int, float]] = []
+        self._epoch_world: int | None = None
+        self._replans: tuple[Replan, ...] = ()
         self._cache: tuple[tuple[Any, ...], Plan] | None = None
-        self._digest: str | None = None
 
     # -- what the plan is --------------------------------------------------------
 
     @property
     def num_replicas(self) -> int:
         """The world size the plan is made for."""
-        if self._num_replicas is not None:
-            return self._num_replicas
-        return distributed.world_size()
+        return self._num_replicas if self._num_replicas is not None else distributed.world_size()
 
     @property
     def max_tokens(self) -> float:
@@ -161,11 +134,7 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
 
     @property
     def position(self) -> EpochPosition:
-        """Where this epoch is: the one cursor the OOM guard and the integrations read.
-
-        The sampler moves it as it plans and yields; a training loop sets
-        ``position.trained`` after each step it trained (``OOMFallback`` does).
-        """
+        """Where this epoch is: the one cursor, moved by the sampler; loops set ``position.trained``."""
         return self._position
 
     @property
@@ -176,10 +145,26 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
     @property
     def plan(self) -> Plan:
         """This epoch's global plan, with every re-plan so far applied."""
-        key = (self.epoch, self.num_replicas, self._epoch_max_tokens, tuple(self._replans))
+        key = (self.epoch, self.num_replicas, self._history)
         if self._cache is None or self._cache[0] != key:
-            self._cache = (key, self._make_plan(self.epoch, self._epoch_max_tokens, self._replans))
+            self._cache = (key, self._make_plan(self.epoch, self._history))
         return self._cache[1]
+
+    @property
+    def _history(self) -> History:
+        return History(self._epoch_max_tokens, self._epoch_world, self._replans)
+
+    def _switch(
+        self, epoch: int, max_tokens: float, history: History, step: int, plan: Plan | None = None
+    ) -> None:
+        """Go to ``epoch``'s plan after ``history`` (``plan``, where made already), from ``step`` on."""
+        self._position.epoch, self._max_tokens = epoch, max_tokens
+        self._epoch_max_tokens, self._epoch_world, self._replans = (
+            history.max_tokens, history.num_replicas, history.replans,
+        )  # fmt: skip
+        if plan is not None:
+            self._cache = ((epoch, self.num_replicas, history), plan)
+        self._position.move_to(step)
 
     def steps_in_epoch(self, epoch: int, max_tokens: float | None = None) -> int:
         """Global steps of epoch ``epoch``'s plan under ``max_tokens`` (default: the budget in force).
@@ -189,55 +174,16 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
         """
         epoch = _checks.non_negative_int("epoch", epoch)
         budget = self._max_tokens if max_tokens is None else _checks.positive_number("max_tokens", max_tokens)
-        return self._make_plan(epoch, budget, []).num_steps
+        return self._make_plan(epoch, History(budget)).num_steps
 
-    def _make_plan(self, epoch: int, epoch_max_tokens: float, replans: list[tuple[int, float]]) -> Plan:
+    def _make_plan(self, epoch: int, history: History, names: list[str] | None = None) -> Plan:
         world = self.num_replicas
-        if self.rank is not None and self.rank >= world:
-            raise ValueError(
-                f"rank should be below num_replicas={world}, but got rank={self.rank}; ranks count from 0"
-            )
-        plan = self._plan_samples(np.arange(len(self.lengths)), epoch_max_tokens, world, epoch, 0)
-        for number, (steps_done, max_tokens) in enumerate(replans, start=1):
-            rest = plan.remaining_after(steps_done)
-            part = self._plan_samples(rest, max_tokens, world, epoch, number)
-            plan = plan.first_steps(steps_done).then(part)
-        return plan
-
-    def _plan_samples(
-        self, indices: np.ndarray, max_tokens: float, world: int, epoch: int, replan: int
-    ) -> Plan:
-        rng = np.random.default_rng([self.seed, epoch, replan]) if self.shuffle else None
-        plan = plan_batches(
-            indices,
-            self._keys,
-            self._unit,
-            max_tokens,
-            rng=rng,
-            num_replicas=world,
-            max_batch_size=self.max_batch_size,
-            batch_size_multiple=self.batch_size_multiple,
-            drop_last=self.drop_last,
-            oversize=self.oversize,
-        )
-        if len(plan.skipped):
-            logger.warning(
-                "epoch %d: left out %d sample(s) that alone exceed max_tokens=%g (oversize='skip'), "
-                "for example sample %d",
-                epoch,
-                len(plan.skipped),
-                max_tokens,
-                plan.skipped[0],
-            )
-        if len(plan.dropped):
-            logger.warning(
-                "epoch %d: dropped %d sample(s) so that %d ranks get the same number of batches "
-                "(drop_last=True)",
-                epoch,
-                len(plan.dropped),
-                world,
-            )
-        return plan
+        check_rank(self.rank, world)
+        planner = Planner(
+            self._keys, self._unit, self.shuffle, self.seed, self.max_batch_size,
+            self.batch_size_multiple, self.drop_last, self.oversize,
+        )  # fmt: skip
+        return planner.plan(epoch, history, world, names=names)
 
     def stats(self) -> PlanStats:
         """Padding, budget use, batch sizes and step balance of this epoch's plan, as ``tokenbatch plan``."""
@@ -246,34 +192,16 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
 
     def _budget_per_batch(self) -> np.ndarray:
         """The budget each batch of this epoch's plan was made under."""
-        budgets = np.full(self.plan.num_batches, self._epoch_max_tokens)
-        for steps_done, max_tokens in self._replans:
-            budgets[steps_done * self.num_replicas :] = max_tokens
-        return budgets
+        return self._history.budget_per_batch(self.plan)
 
     # -- iteration ---------------------------------------------------------------
 
     def __len__(self) -> int:
-        plan = self.plan
-        steps = plan.num_steps - self._position.start
-        return steps if self.rank is not None else steps * plan.num_replicas
+        plan, start = self.plan, self._position.start
+        return plan.num_steps - start if self.rank is not None else plan.num_batches - plan.step_start(start)
 
     def __iter__(self) -> Iterator[list[int]]:
-        plan, position = self.plan, self._position
-        generation, start = position.generation, position.start
-        # A pass starts where the epoch's cursor says: every step before it has been trained.
-        position.handed_out = position.trained = start
-        world = plan.num_replicas
-        slots = [self.rank] if self.rank is not None else range(world)
-        for step in range(start, plan.num_steps):
-            for slot in slots:
-                if position.generation != generation:
-                    return  # the plan changed (re-plan, new epoch, resume): stop this pass
-                yield plan.batch(step * world + slot).tolist()
-            if position.generation != generation:
-                return  # changed while the step's last batch was out: the position is the new plan's
-            position.handed_out = step + 1
-        position.start = 0
+        yield from self._position.walk(self.plan, self.rank)  # the plan as it is at the first batch
 
     def set_epoch(self, epoch: int) -> None:
         """Start epoch ``epoch`` (a new plan); the current epoch again is a no-op.
@@ -288,106 +216,74 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
         epoch = _checks.non_negative_int("epoch", epoch)
         if epoch == self._position.epoch:
             return
-        self._position.epoch = epoch
-        self._epoch_max_tokens = self._max_tokens
-        self._replans = []
-        self._position.move_to(0)
+        self._switch(epoch, self._max_tokens, History(self._max_tokens), 0)
 
     def replan(self, max_tokens: float, *, steps_done: int) -> None:
         """Change the budget and re-plan every sample after the first ``steps_done`` steps.
 
-        The first ``steps_done`` global steps of this epoch stay as they were
-        (they have been trained on); everything after them, including any
-        batch already fetched but not trained, is planned again under the new
-        budget. The next iteration starts at step ``steps_done`` of the new
-        plan, and later epochs keep the new budget. A running iterator stops.
+        The first ``steps_done`` global steps stay as they were (trained);
+        everything after them, fetched or not, is planned again under the new
+        budget. The next iteration starts at step ``steps_done``, later epochs
+        keep the new budget, and a running iterator stops.
 
         Raises:
             OversizeSampleError: a remaining sample alone exceeds the new budget
-                (with ``oversize="error"``); the sampler is left unchanged.
+                (``oversize="error"``); the sampler is left unchanged.
+            ValueError: ``steps_done`` is beyond the plan, or before the last re-plan.
         """
         max_tokens = _checks.positive_number("max_tokens", max_tokens)
         steps_done = _checks.non_negative_int("steps_done", steps_done)
-        if steps_done > self.plan.num_steps:
-            raise ValueError(
-                f"steps_done should be at most the {self.plan.num_steps} steps of epoch "
-                f"{self.epoch}, but got steps_done={steps_done}"
-            )
-        replans = [*self._replans, (steps_done, max_tokens)]
-        plan = self._make_plan(self.epoch, self._epoch_max_tokens, replans)  # raises before any change
-        self._replans = replans
-        self._cache = ((self.epoch, self.num_replicas, self._epoch_max_tokens, tuple(replans)), plan)
-        self._max_tokens = max_tokens
-        self._position.move_to(steps_done)
+        self._history.check_steps_done(steps_done, self.plan)
+        history = self._history.then(Replan(steps_done, max_tokens, self.num_replicas))
+        plan = self._make_plan(self.epoch, history)  # raises before any change
+        self._switch(self.epoch, max_tokens, history, steps_done, plan)
         logger.info(
             "epoch %d: re-planned from step %d under max_tokens=%g", self.epoch, steps_done, max_tokens
         )
 
     # -- checkpointing -----------------------------------------------------------
 
-    def _settings(self) -> dict[str, Any]:
-        cost = self.cost
-        return {
-            "cost": [cost.linear, cost.quadratic, cost.per_sample, cost.pad_to_multiple_of],
-            "shuffle": self.shuffle,
-            "seed": self.seed,
-            "max_batch_size": self.max_batch_size,
-            "batch_size_multiple": self.batch_size_multiple,
-            "drop_last": self.drop_last,
-            "oversize": self.oversize,
-            "num_replicas": self.num_replicas,
-            "rank": self.rank,
-        }
-
+    @functools.cached_property
     def _lengths_digest(self) -> str:
-        if self._digest is None:
-            self._digest = lengths_digest(self.lengths)
-        return self._digest
+        return _state.lengths_digest(self.lengths)
 
     def state_dict(self, *, steps_done: int | None = None) -> dict[str, Any]:
-        """Everything needed to resume this epoch at the same sample with the same budget.
+        """Everything needed to resume this epoch at the same sample with the same budget, on any rank.
 
         Args:
-            steps_done: steps trained so far in this epoch. Defaults to the
-                steps this sampler has handed out, which runs ahead of training
-                when the DataLoader prefetches; pass the true count when you
-                have it (``sampler.position.trained`` when the loop counts it).
+            steps_done: steps trained so far in this epoch, exact where the loop
+                counts them (``OOMFallback.steps_done``, ``sampler.position.trained``).
+                The default, the steps handed out (a step counts once its last
+                batch is yielded: every rank's, in the global plan), is exact
+                for a ``DataLoader`` without workers. A prefetching one runs
+                ahead of training (``num_workers > 0`` by ``prefetch_factor *
+                num_workers`` batches; accelerate's prepared DataLoader by one):
+                then pass ``steps_done``, or the steps read ahead are skipped.
+
+        Raises:
+            ValueError: ``steps_done`` is beyond this epoch's plan, or before its last re-plan.
         """
         done = self._position.handed_out
         if steps_done is not None:
             done = _checks.non_negative_int("steps_done", steps_done)
-        return {
-            "version": STATE_VERSION,
-            "num_samples": len(self.lengths),
-            "lengths_digest": self._lengths_digest(),
-            "settings": self._settings(),
-            "epoch": self.epoch,
-            "max_tokens": self._max_tokens,
-            "epoch_max_tokens": self._epoch_max_tokens,
-            "replans": [list(r) for r in self._replans],
-            "steps_done": done,
-        }
+            self._history.check_steps_done(done, self.plan)
+        return _state.state(self, self._lengths_digest, self._history.on(self.num_replicas), done)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume from :meth:`state_dict`: the next iteration yields exactly the batches not yet done.
+        """Resume from :meth:`state_dict` (of any rank): the next iteration yields the batches not yet done.
+
+        From another number of processes, the steps trained stay as they were
+        (its global steps) and what is left is planned again for this one,
+        whose steps follow. Every field is checked before anything changes.
 
         Raises:
-            ValueError: the state is from another version, dataset or settings.
+            TypeError: a field of the state has the wrong type.
+            ValueError: the state is from another version, dataset or settings,
+                a field is out of range (the message names it), or what is left
+                cannot give every one of this many processes a batch.
         """
-        check_state(
-            state, num_samples=len(self.lengths), digest=self._lengths_digest(), settings=self._settings()
+        saved = _state.read_state(state, self, self._lengths_digest)
+        history, plan = _state.resume(
+            saved, self.num_replicas, lambda h, names: self._make_plan(saved.epoch, h, names)
         )
-        replans = [(int(s), float(t)) for s, t in state["replans"]]
-        epoch_max_tokens = _checks.positive_number("epoch_max_tokens", state["epoch_max_tokens"])
-        steps_done = _checks.non_negative_int("steps_done", state["steps_done"])
-        epoch = _checks.non_negative_int("epoch", state["epoch"])
-        plan = self._make_plan(epoch, epoch_max_tokens, replans)  # raises before any change
-        if steps_done > plan.num_steps:
-            raise ValueError(
-                f"state has steps_done={steps_done}, more than the {plan.num_steps} steps of its epoch"
-            )
-        max_tokens = _checks.positive_number("max_tokens", state["max_tokens"])
-        self._position.epoch, self._epoch_max_tokens, self._replans = epoch, epoch_max_tokens, replans
-        self._cache = ((epoch, self.num_replicas, epoch_max_tokens, tuple(replans)), plan)
-        self._max_tokens = max_tokens
-        self._position.move_to(steps_done)
+        self._switch(saved.epoch, saved.max_tokens, history, saved.steps_done, plan)

@@ -208,7 +208,12 @@ def run(args: argparse.Namespace) -> int:
     report: dict[str, Any] = {
         "source": source,
         "lengths": {"count": len(lengths), **_spread(lengths)},
-        "settings": {"max_tokens": args.max_tokens, **sampler.state_dict()["settings"], "epoch": args.epoch},
+        "settings": {
+            "max_tokens": args.max_tokens,
+            **sampler.state_dict()["settings"],
+            "num_replicas": sampler.num_replicas,
+            "epoch": args.epoch,
+        },
         "cost": repr(sampler.cost),
         "plan": describe(sampler),
     }

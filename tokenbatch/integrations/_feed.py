@@ -97,8 +97,7 @@ class Feed:
         """Count step ``step`` as trained; returns its samples over all ranks."""
         self.sampler.position.trained = step + 1
         plan = self.sampler.plan
-        world = plan.num_replicas
-        return int(plan.offsets[(step + 1) * world] - plan.offsets[step * world])
+        return int(plan.offsets[plan.step_start(step + 1)] - plan.offsets[plan.step_start(step)])
 
     def restart(self) -> None:
         """After a re-plan: continue at the step the sampler's next iteration starts at."""
