@@ -47,3 +47,6 @@ def main(states_path: str, out: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2])
+    from teardown import end_process_group
+
+    end_process_group()

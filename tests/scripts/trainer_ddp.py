@@ -107,3 +107,6 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    from teardown import end_process_group
+
+    end_process_group()
