@@ -8,6 +8,7 @@ from tokenbatch.plan import OversizeSampleError
 from tokenbatch.probe import ProbeResult, find_max_tokens
 from tokenbatch.sampler import TokenBudgetBatchSampler
 from tokenbatch.stats import PlanStats
+from tokenbatch.stream import TokenBudgetStream
 
 __version__ = "0.1.0"
 
@@ -23,6 +24,7 @@ __all__ = [
     "RankFailedError",
     "SampleTooLargeError",
     "TokenBudgetBatchSampler",
+    "TokenBudgetStream",
     "__version__",
     "column_lengths",
     "find_max_tokens",
