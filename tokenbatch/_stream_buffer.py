@@ -22,6 +22,7 @@ before the budget is full is replaced by the last full run.
 from __future__ import annotations
 
 import heapq
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -151,31 +152,53 @@ class Buffer:
         self.position = np.concatenate([self.position, np.zeros(extra, np.int64)])
         self._free = np.concatenate([np.arange(size + extra - 1, size - 1, -1), self._free])
 
-    def draw(self, shared: float, local: float) -> tuple[int, int]:
-        """The ``[start, stop)`` run of the next batch, for random ``shared`` and ``local`` in [0, 1)."""
-        unit, n, budget = self.unit, len(self.unit), self.budget
+    def draw(self, shared: float, anchors: Sequence[float]) -> tuple[int, int]:
+        """The ``[start, stop)`` run of the next batch, for random numbers in [0, 1).
+
+        ``shared`` (the same on every rank) picks the bucket; each of
+        ``anchors`` (this reader's own) a run in it, and the run with the
+        least padding wins: a region still sparse waits a little longer for
+        neighbours, at no cost to the others.
+        """
+        n = len(self.unit)
         weights = np.maximum(self._bucket_cost, 0.0)  # a float sum kept up to date can dip below 0
         line = np.cumsum(weights)
         bucket = min(int(np.searchsorted(line, shared * line[-1], side="right")), len(line) - 1)
-        first = int(np.searchsorted(self.key, self._bucket_keys[bucket - 1])) if bucket else 0
-        last = int(np.searchsorted(self.key, self._bucket_keys[bucket])) if bucket < len(line) - 1 else n
+        first, last = self._bucket_range(bucket)
         if first == last:  # only rounding left weight on an empty bucket: take the fullest instead
-            bucket = int(np.argmax(weights))
-            first = int(np.searchsorted(self.key, self._bucket_keys[bucket - 1])) if bucket else 0
-            last = int(np.searchsorted(self.key, self._bucket_keys[bucket])) if bucket < len(line) - 1 else n
-        within = np.cumsum(unit[first:last])
+            first, last = self._bucket_range(int(np.argmax(weights)))
+        within = np.cumsum(self.unit[first:last])
         # The shortest bucket's anchor may fall up to one budget before it: nothing reaches
         # into its first examples from below, and they would linger.
-        lead = budget if first == 0 else 0.0
-        anchor = local * (float(within[-1]) + lead) - lead
-        start = min(first + int(np.searchsorted(within, anchor, side="right")), n - 1)
+        lead = self.budget if first == 0 else 0.0
+        best, best_padding = (0, 0), np.inf
+        for u in anchors:
+            anchor = u * (float(within[-1]) + lead) - lead
+            start, stop = self._run_from(
+                min(first + int(np.searchsorted(within, anchor, side="right")), n - 1)
+            )
+            padded = self.key[start:stop] >> _LOW
+            padding = float((stop - start) * padded[-1] - padded.sum()) / float(padded[-1])
+            if padding < best_padding:
+                best, best_padding = (start, stop), padding
+        return best
+
+    def _bucket_range(self, bucket: int) -> tuple[int, int]:
+        keys, bounds = self.key, self._bucket_keys
+        first = int(np.searchsorted(keys, bounds[bucket - 1])) if bucket else 0
+        last = int(np.searchsorted(keys, bounds[bucket])) if bucket < len(bounds) else len(keys)
+        return first, last
+
+    def _run_from(self, start: int) -> tuple[int, int]:
+        """As many examples from ``start`` on as fit the budget; the last full run if that reaches the end."""
+        unit, n, budget = self.unit, len(self.unit), self.budget
         room = fit_count(float(unit[start]), budget, n - start)
         count = max(
             1, int(np.searchsorted(unit[start : start + room] * np.arange(1, room + 1), budget, "right"))
         )
         if start + count < n:
             return start, start + count
-        return n - max(1, fit_count(float(unit[-1]), budget, n)), n  # the last full run
+        return n - max(1, fit_count(float(unit[-1]), budget, n)), n
 
     def take(self, start: int, stop: int) -> list[Any]:
         """Remove the run ``[start, stop)`` and return its examples."""

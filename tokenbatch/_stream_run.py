@@ -9,7 +9,8 @@ With several ranks each stream step asks the others two things at once
 (one all-reduce of two numbers): has a rank whose part is read out run low
 (below half a buffer), and is any part not read out yet. The final round
 starts on every rank at the same step, when a rank runs low or every part
-is read out. Its count of batches is agreed too: the most any rank needs,
+is read out; a rank whose part is not read out yet first reads up to one
+more buffer of it. Its count of batches is agreed too: the most any rank needs,
 but no more than the fewest examples a rank holds; a rank with fewer
 batches halves its largest ones, so every rank yields the same number of
 batches and everything read is trained. Only where a rank holds fewer
@@ -92,9 +93,12 @@ class Run:
 
     # -- reading -----------------------------------------------------------------
 
+    def _fill(self) -> None:
+        """Read until the buffer is full or the part is read out (skipped examples do not count)."""
+        while not self.exhausted and len(self.buffer) < self.settings.buffer_size:
+            self._read(self.settings.buffer_size - len(self.buffer))
+
     def _read(self, count: int) -> None:
-        if self.exhausted or count <= 0:
-            return
         chunk = list(itertools.islice(self._iter, count))
         if len(chunk) < count:
             self.exhausted = True
@@ -137,18 +141,18 @@ class Run:
     def batches(self) -> Iterator[list[Any]]:
         if self.phase == "start":
             self._iter = self.part.open(0)
-            self._read(self.settings.buffer_size)
+            self._fill()
             buckets = self.settings.buckets
             if not isinstance(buckets, np.ndarray):
                 buckets = estimate_boundaries(self.buffer.padded(), self.buffer.unit, buckets)
             self.buffer.set_boundaries(buckets)
             self.phase = "stream"
         while self.phase == "stream":
-            self._read(self.settings.buffer_size - len(self.buffer))
+            self._fill()
             if self._final_now():
                 self._begin_final()
                 break
-            start, stop = self.buffer.draw(self.shared.random(), self.local.random())
+            start, stop = self.buffer.draw(self.shared.random(), self.local.random(2).tolist())
             batch = self.buffer.take(start, stop)
             self.yielded += 1
             yield batch  # the state already excludes this batch: a checkpoint taken now resumes after it
@@ -169,6 +173,10 @@ class Run:
 
     def _begin_final(self) -> None:
         rng = np.random.default_rng([self.settings.seed, self.epoch, self.reader.rank, self.reader.worker, 4])
+        if not self.exhausted:
+            # Parts of equal size (+-1 example) end within a few batches of each other: read what is
+            # left of this one into the final round, up to one more buffer (memory stays bounded).
+            self._read(self.settings.buffer_size)
         held = len(self.buffer)
         plan = self.buffer.plan_rest(rng)
         count = len(plan)
@@ -184,8 +192,8 @@ class Run:
         if not self.exhausted:
             logger.warning(
                 "epoch %d: rank %d (worker %d) stops reading its part after %d examples, as another rank's "
-                "part is read out; the rest of this part is not read this epoch (the ranks' parts are "
-                "uneven: give every rank the same number of examples or shards)",
+                "part is read out; the rest of this part (more than a buffer) is not read this epoch "
+                "(the ranks' parts are uneven: give every rank the same number of examples or shards)",
                 self.epoch, self.reader.rank, self.reader.worker, self.read,
             )  # fmt: skip
         self.phase = "final"
