@@ -32,7 +32,7 @@ SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[Healt
 
 @st.composite
 def cases(draw: st.DrawFn) -> dict[str, Any]:
-    lengths = draw(st.lists(st.integers(1, 120), max_size=250))
+    lengths = draw(st.lists(st.integers(1, 120), max_size=600))
     world = draw(st.integers(1, 8))
     uneven = draw(st.booleans())
     case = {
@@ -41,7 +41,7 @@ def cases(draw: st.DrawFn) -> dict[str, Any]:
         # Uneven parts: a datasets.IterableDataset with shards of random sizes, split by shards.
         "shards": draw(st.lists(st.integers(0, 40), min_size=world, max_size=3 * world)) if uneven else None,
         "workers": 0 if uneven else draw(st.integers(0, 3)),
-        "buffer_size": draw(st.integers(1, 48)),
+        "buffer_size": draw(st.integers(1, 96)),
         "max_tokens": draw(st.sampled_from([60, 150, 400, 2000])),
         "cost": draw(st.sampled_from(range(len(COSTS)))),
         "oversize": draw(st.sampled_from(["alone", "skip"])),

@@ -95,9 +95,14 @@ class Buffer:
         self._bucket_cost = self._by_bucket(self.key, self.unit)
 
     def _by_bucket(self, keys: np.ndarray, unit: np.ndarray) -> np.ndarray:
-        """The sum of ``unit`` in each bucket."""
+        """The cost in each bucket, in whole ticks of 2**-29 budgets (1 to 2**30 ticks an example).
+
+        Integers, so the running totals are exact: after a resume they are the
+        very numbers the uninterrupted pass has, and so are its bucket choices.
+        """
         buckets = np.searchsorted(self._bucket_keys, keys, side="right")
-        result: np.ndarray = np.bincount(buckets, unit, len(self._bucket_keys) + 1).astype(np.float64)
+        ticks = np.clip(np.rint(unit * (2.0**29 / self.budget)), 1.0, 2.0**30)
+        result: np.ndarray = np.bincount(buckets, ticks, len(self._bucket_keys) + 1).astype(np.int64)
         return result
 
     def positions(self) -> np.ndarray:
@@ -126,7 +131,8 @@ class Buffer:
         self._bucket_cost += self._by_bucket(keys, unit)
         # One merge for the three arrays: a gather index into [old, new], where each new key lands.
         size = len(self.key)
-        landing = np.searchsorted(self.key, keys) + np.arange(count)
+        # Equal keys keep the order they were read in (after those already here), as a resume rebuilds them.
+        landing = np.searchsorted(self.key, keys, side="right") + np.arange(count)
         gather = np.empty(size + count, np.int64)
         old = np.ones(size + count, bool)
         old[landing] = False
@@ -161,12 +167,10 @@ class Buffer:
         neighbours, at no cost to the others.
         """
         n = len(self.unit)
-        weights = np.maximum(self._bucket_cost, 0.0)  # a float sum kept up to date can dip below 0
+        weights = self._bucket_cost
         line = np.cumsum(weights)
         bucket = min(int(np.searchsorted(line, shared * line[-1], side="right")), len(line) - 1)
         first, last = self._bucket_range(bucket)
-        if first == last:  # only rounding left weight on an empty bucket: take the fullest instead
-            first, last = self._bucket_range(int(np.argmax(weights)))
         within = np.cumsum(self.unit[first:last])
         # The shortest bucket's anchor may fall up to one budget before it: nothing reaches
         # into its first examples from below, and they would linger.
@@ -230,7 +234,7 @@ class Buffer:
         )
         batches = [self.slot[np.sort(plan.batch(b))] for b in range(plan.num_batches)]
         self.key, self.unit, self.slot = self.key[:0], self.unit[:0], self.slot[:0]
-        self._bucket_cost[:] = 0.0
+        self._bucket_cost[:] = 0
         return batches
 
     def take_slots(self, slots: np.ndarray) -> list[Any]:
@@ -249,13 +253,13 @@ def split_to(batches: list[np.ndarray], count: int) -> list[np.ndarray]:
         >>> [b.tolist() for b in split_to([np.array([0, 1, 2, 3]), np.array([4])], 3)]
         [[0, 1], [2, 3], [4]]
     """
-    heap = [(-len(b), i, b) for i, b in enumerate(batches)]
+    # Each piece: (-size, the batch it came from, where in that batch it starts, the piece):
+    # the order never depends on the slots' numbers, which differ after a resume.
+    heap = [(-len(b), i, 0, b) for i, b in enumerate(batches)]
     heapq.heapify(heap)
-    tick = len(batches)
     while len(heap) < count:
-        size, _, batch = heapq.heappop(heap)
+        size, origin, offset, batch = heapq.heappop(heap)
         half = -size // 2
-        heapq.heappush(heap, (-half, tick, batch[:half]))
-        heapq.heappush(heap, (-(len(batch) - half), tick + 1, batch[half:]))
-        tick += 2
-    return [b for _, _, b in sorted(heap, key=lambda item: int(item[2][0]))]
+        heapq.heappush(heap, (-half, origin, offset, batch[:half]))
+        heapq.heappush(heap, (-(len(batch) - half), origin, offset + half, batch[half:]))
+    return [piece[3] for piece in sorted(heap, key=lambda piece: (piece[1], piece[2]))]

@@ -273,6 +273,14 @@ class TokenBudgetStream(IterableDataset[list[Any]]):
             raise ValueError(
                 f"state was saved with other stream settings ({changes}); build it alike to resume"
             )
+        reader = state["reader"]
+        if reader is not None and (reader["rank"], reader["num_replicas"]) != (self.rank, self.num_replicas):
+            raise ValueError(
+                f"state was saved by rank {reader['rank']} of {reader['num_replicas']}, but this stream is "
+                f"rank {self.rank} of {self.num_replicas}: each rank resumes from its own state. Save "
+                f"stream.state_dict() on every rank, to a file per rank (accelerate's save_state keeps a "
+                f"registered object's state from the main process only)"
+            )
         self.set_epoch(_checks.non_negative_int("epoch", state["epoch"]))
         self._resume = dict(state)
         self._run = None
