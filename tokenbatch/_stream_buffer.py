@@ -39,11 +39,8 @@ def tie_breaks(positions: np.ndarray, salt: int) -> np.ndarray:
     Deriving the tie-break from the position (rather than drawing it) lets a
     resume rebuild the buffer in the very order it had.
     """
-    x = positions.astype(np.uint64) + np.uint64(salt)
-    x = (x ^ (x >> np.uint64(30))) * _MIX  # splitmix64's finaliser; uint64 arithmetic wraps
-    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    x ^= x >> np.uint64(31)
-    result: np.ndarray = (x >> np.uint64(_LOW)).astype(np.int64)
+    x = (positions.astype(np.uint64) ^ np.uint64(salt)) * _MIX  # Fibonacci hashing; uint64 arithmetic wraps
+    result: np.ndarray = (x >> np.uint64(64 - _LOW)).astype(np.int64)
     return result
 
 
@@ -100,7 +97,7 @@ class Buffer:
         Integers, so the running totals are exact: after a resume they are the
         very numbers the uninterrupted pass has, and so are its bucket choices.
         """
-        buckets = np.searchsorted(self._bucket_keys, keys, side="right")
+        buckets = self._bucket_keys.searchsorted(keys, side="right")
         ticks = np.clip(np.rint(unit * (2.0**29 / self.budget)), 1.0, 2.0**30)
         result: np.ndarray = np.bincount(buckets, ticks, len(self._bucket_keys) + 1).astype(np.int64)
         return result
@@ -132,7 +129,7 @@ class Buffer:
         # One merge for the three arrays: a gather index into [old, new], where each new key lands.
         size = len(self.key)
         # Equal keys keep the order they were read in (after those already here), as a resume rebuilds them.
-        landing = np.searchsorted(self.key, keys, side="right") + np.arange(count)
+        landing = self.key.searchsorted(keys, side="right") + np.arange(count)
         gather = np.empty(size + count, np.int64)
         old = np.ones(size + count, bool)
         old[landing] = False
@@ -169,7 +166,7 @@ class Buffer:
         n = len(self.unit)
         weights = self._bucket_cost
         line = np.cumsum(weights)
-        bucket = min(int(np.searchsorted(line, shared * line[-1], side="right")), len(line) - 1)
+        bucket = min(int(line.searchsorted(shared * line[-1], side="right")), len(line) - 1)
         first, last = self._bucket_range(bucket)
         within = np.cumsum(self.unit[first:last])
         # The shortest bucket's anchor may fall up to one budget before it: nothing reaches
@@ -178,9 +175,7 @@ class Buffer:
         best, best_padding = (0, 0), np.inf
         for u in anchors:
             anchor = u * (float(within[-1]) + lead) - lead
-            start, stop = self._run_from(
-                min(first + int(np.searchsorted(within, anchor, side="right")), n - 1)
-            )
+            start, stop = self._run_from(min(first + int(within.searchsorted(anchor, side="right")), n - 1))
             padded = self.key[start:stop] >> _LOW
             padding = float((stop - start) * padded[-1] - padded.sum()) / float(padded[-1])
             if padding < best_padding:
@@ -189,8 +184,8 @@ class Buffer:
 
     def _bucket_range(self, bucket: int) -> tuple[int, int]:
         keys, bounds = self.key, self._bucket_keys
-        first = int(np.searchsorted(keys, bounds[bucket - 1])) if bucket else 0
-        last = int(np.searchsorted(keys, bounds[bucket])) if bucket < len(bounds) else len(keys)
+        first = int(keys.searchsorted(bounds[bucket - 1])) if bucket else 0
+        last = int(keys.searchsorted(bounds[bucket])) if bucket < len(bounds) else len(keys)
         return first, last
 
     def _run_from(self, start: int) -> tuple[int, int]:
@@ -198,7 +193,7 @@ class Buffer:
         unit, n, budget = self.unit, len(self.unit), self.budget
         room = fit_count(float(unit[start]), budget, n - start)
         count = max(
-            1, int(np.searchsorted(unit[start : start + room] * np.arange(1, room + 1), budget, "right"))
+            1, int((unit[start : start + room] * np.arange(1, room + 1)).searchsorted(budget, "right"))
         )
         if start + count < n:
             return start, start + count

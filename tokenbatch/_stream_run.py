@@ -2,7 +2,7 @@
 
 An epoch of a reader has two phases::
 
-    stream:  refill the buffer to buffer_size -> (agree) -> draw one batch -> yield
+    stream:  refill the buffer (when 1/16 of it is gone) -> (agree) -> draw one batch -> yield
     final:   pack what is left (plan_batches) -> agree on a count -> split -> yield them
 
 With several ranks each stream step asks the others two things at once
@@ -147,8 +147,12 @@ class Run:
                 buckets = estimate_boundaries(self.buffer.padded(), self.buffer.unit, buckets)
             self.buffer.set_boundaries(buckets)
             self.phase = "stream"
+        # Refill in chunks of a sixteenth of the buffer, not after every batch: merging new
+        # examples into the length order costs O(buffer_size) however few they are.
+        refill = self.settings.buffer_size - max(1, self.settings.buffer_size // 16)
         while self.phase == "stream":
-            self._fill()
+            if len(self.buffer) <= refill:
+                self._fill()
             if self._final_now():
                 self._begin_final()
                 break

@@ -182,9 +182,8 @@ def length_reader(length: str | Callable[[Any], int]) -> Callable[[list[Any], in
                 f"length should give each example's padded length as an integer, but the example at "
                 f"position {first + bad} of this reader's part has length {values[bad]!r}"
             )
-        small = np.flatnonzero((array < 1) | (array >= 2**31))
-        if small.size:
-            i = int(small[0])
+        if array.size and (array.min() < 1 or array.max() >= 2**31):
+            i = int(np.flatnonzero((array < 1) | (array >= 2**31))[0])
             raise ValueError(
                 f"length should give each example a padded length >= 1 (and below 2**31), but the "
                 f"example at position {first + i} of this reader's part has length {values[i]!r}"
