@@ -179,6 +179,7 @@ def test_empty_and_tiny_sources() -> None:
     assert ids(TokenBudgetStream(make_examples([3]), 100, length="length", buffer_size=1)) == [[0]]
 
 
+@pytest.mark.filterwarnings("ignore:This DataLoader will create")
 @pytest.mark.parametrize("workers", [1, 2, 3])
 def test_dataloader_workers_read_disjoint_parts(workers: int) -> None:
     examples = make_examples(long_tailed(3001, seed=8))
@@ -284,6 +285,30 @@ def test_accelerate_dispatching_from_process_zero_is_refused() -> None:
         list(dispatcher)
 
 
+def test_accelerate_iterable_dataset_shard_is_refused() -> None:
+    from accelerate.data_loader import IterableDatasetShard
+
+    stream = TokenBudgetStream(make_examples([3] * 10), 100, length="length", num_replicas=2, rank=0)
+    shard = IterableDatasetShard(stream, batch_size=1, num_processes=2, process_index=0)
+    with pytest.raises(
+        RuntimeError, match=r"IterableDatasetShard, which reads the whole stream on every process"
+    ):
+        list(shard)
+
+
+def test_accelerate_prepare_on_one_process_yields_the_stream() -> None:
+    from accelerate import Accelerator
+
+    examples = make_examples(long_tailed(500, seed=11))
+    stream = TokenBudgetStream(examples, 1024, length="length", buffer_size=100)
+    loader = DataLoader(stream, batch_size=None, collate_fn=lambda b: torch.tensor([e["i"] for e in b]))
+    prepared = Accelerator(cpu=True).prepare(loader)
+    assert [b.tolist() for b in prepared] == ids(
+        TokenBudgetStream(examples, 1024, length="length", buffer_size=100)
+    )
+
+
+@pytest.mark.filterwarnings("ignore:This DataLoader will create")
 def test_persistent_workers_see_set_epoch() -> None:
     examples = make_examples(long_tailed(800, seed=10))
     stream = TokenBudgetStream(examples, 1024, length="length", buffer_size=100)
