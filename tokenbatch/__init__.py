@@ -7,6 +7,7 @@ from tokenbatch.plan import OversizeSampleError
 from tokenbatch.probe import BudgetCache, BudgetKey, ProbeResult, find_max_tokens, remember_budget
 from tokenbatch.sampler import TokenBudgetBatchSampler
 from tokenbatch.stats import PlanStats
+from tokenbatch.stream import TokenBudgetStream
 
 __version__ = "0.1.0"
 
@@ -22,6 +23,7 @@ __all__ = [
     "RankFailedError",
     "SampleTooLargeError",
     "TokenBudgetBatchSampler",
+    "TokenBudgetStream",
     "__version__",
     "column_lengths",
     "find_max_tokens",

@@ -1,0 +1,78 @@
+"""TokenBudgetStream on 2 and 3 real processes (torchrun, gloo): no hang, equal steps, exactly once."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tokenbatch import TokenBudgetStream
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
+from stream_common import ids, run_readers
+from stream_distributed import SETTINGS, N, examples
+
+sys.path.pop(0)
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "tests" / "scripts" / "stream_distributed.py"
+
+
+def launch(world: int, out: Path) -> list[dict[str, Any]]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    env.update({"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "ACCELERATE_USE_CPU": "1"})
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(world),
+        str(SCRIPT), str(out),
+    ]  # fmt: skip
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(world)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 3])
+def test_real_processes_end_together_and_train_each_example_once(world: int, tmp_path: Path) -> None:
+    reports = launch(world, tmp_path)
+    assert [r["rank"] for r in reports] == list(range(world))
+
+    # Parts of N examples (+-1 between ranks), two epochs: the very batches the
+    # one-process simulation of the same ranks yields, every example once.
+    def make(rank: int, lane: int, agree: Any) -> TokenBudgetStream:
+        return TokenBudgetStream(examples(), **SETTINGS, num_replicas=world, rank=rank, agree=agree)
+
+    for epoch in range(2):
+        per_rank = [r["epochs"][epoch] for r in reports]
+        assert len({len(batches) for batches in per_rank}) == 1
+        assert sorted(i for batches in per_rank for b in batches for i in b) == list(range(N))
+    simulated, _ = run_readers(make, world)
+    assert [r["epochs"][0] for r in reports] == [ids(lanes[0]) for lanes in simulated]
+    assert reports[0]["epochs"][0] != reports[0]["epochs"][1]
+
+    # Shards of very different sizes: the ranks still end at the same step; what the
+    # ranks read is trained once or counted; the rest of a longer part is not read.
+    uneven = [r["uneven"] for r in reports]
+    assert len({len(batches) for batches in uneven}) == 1
+    seen = [i for batches in uneven for b in batches for i in b]
+    assert len(seen) == len(set(seen))
+    counts = [r["uneven_counts"] for r in reports]
+    assert sum(c["read"] for c in counts) == len(seen) + sum(c["left_out"] for c in counts)
+    assert any(c["exhausted"] for c in counts) and not all(c["exhausted"] for c in counts)
+
+    # A resume after 7 steps on every rank: exactly the uninterrupted epoch.
+    assert [r["resumed"] for r in reports] == [r["epochs"][0] for r in reports]
+
+    # Under accelerate (model and optimizer prepared, the stream's DataLoader not): DDP
+    # steps interleave with the stream's agreement; a per-rank state file resumes exactly.
+    for report in reports:
+        assert report["accelerate"]["batches"] == report["accelerate"]["full"] == report["epochs"][0]
+    errors = [r["accelerate"]["registered_error"] for r in reports]
+    assert errors[0] is None  # the main process loads its own state
+    for error in errors[1:]:
+        assert "each rank resumes from its own state" in error

@@ -1,0 +1,282 @@
+"""One pass of one :class:`~tokenbatch.TokenBudgetStream` reader over its part: read, batch, agree, resume.
+
+An epoch of a reader has two phases::
+
+    stream:  refill the buffer (when 1/16 of it is gone) -> (agree) -> draw one batch -> yield
+    final:   pack what is left (plan_batches) -> agree on a count -> split -> yield them
+
+With several ranks each stream step asks the others two things at once
+(one all-reduce of two numbers): has a rank whose part is read out run low
+(below half a buffer), and is any part not read out yet. The final round
+starts on every rank at the same step, when a rank runs low or every part
+is read out; a rank whose part is not read out yet first reads up to one
+more buffer of it. Its count of batches is agreed too: the most any rank needs,
+but no more than the fewest examples a rank holds; a rank with fewer
+batches halves its largest ones, so every rank yields the same number of
+batches and everything read is trained. Only where a rank holds fewer
+examples than another needs batches is anything left out, and then it is
+counted and logged (as is the unread rest of a part longer than the
+others'): never lost silently.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from tokenbatch._stream_buffer import Buffer, estimate_boundaries, split_to, tie_breaks
+from tokenbatch._stream_source import Part, Snapshots
+from tokenbatch.cost import CostModel
+from tokenbatch.plan import OversizeSampleError
+
+logger = logging.getLogger("tokenbatch.stream")
+
+Agree = Callable[[list[float]], list[float]]
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What every reader of a stream shares."""
+
+    cost: CostModel
+    budget: float
+    buffer_size: int
+    oversize: str
+    buckets: int | np.ndarray
+    seed: int
+    lengths: Callable[[list[Any], int], np.ndarray]
+
+
+@dataclass(frozen=True)
+class Reader:
+    """Who reads: rank ``rank`` of ``num_replicas``, DataLoader worker ``worker`` of ``num_workers``."""
+
+    rank: int
+    num_replicas: int
+    worker: int
+    num_workers: int
+
+
+class Run:
+    """One epoch of one reader; :meth:`batches` yields, :meth:`state` says where it is."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        part: Part,
+        reader: Reader,
+        *,
+        epoch: int,
+        agree: Agree | None,
+        resume: dict[str, Any] | None = None,
+    ) -> None:
+        self.settings, self.part, self.reader, self.epoch, self.agree = settings, part, reader, epoch, agree
+        seed, who = settings.seed, [reader.rank, reader.worker]
+        self.local = np.random.default_rng([seed, epoch, *who, 1])
+        # The same on every rank: ranks draw from the same bucket at the same step.
+        self.shared = np.random.default_rng([seed, epoch, reader.worker, 2])
+        self.salt = int(np.random.default_rng([seed, epoch, *who, 3]).integers(2**62))
+        self.buffer = Buffer(settings.budget, np.empty(0, np.int64))
+        self.snapshots = Snapshots()
+        self.final: deque[np.ndarray] = deque()  # the final round's batches still to yield, as slots
+        self.phase, self.read, self.exhausted = "start", 0, False
+        self.yielded = self.skipped = self.left_out = 0
+        self._iter: Iterator[Any] = iter(())
+        if resume is not None:
+            self._restore(resume)
+
+    # -- reading -----------------------------------------------------------------
+
+    def _fill(self) -> None:
+        """Read until the buffer is full or the part is read out (skipped examples do not count)."""
+        while not self.exhausted and len(self.buffer) < self.settings.buffer_size:
+            self._read(self.settings.buffer_size - len(self.buffer))
+
+    def _read(self, count: int) -> None:
+        chunk = list(itertools.islice(self._iter, count))
+        if len(chunk) < count:
+            self.exhausted = True
+        if chunk:
+            first = self.read
+            self.read += len(chunk)
+            self._insert(np.arange(first, self.read), chunk)
+            if self.part.kind == "datasets":
+                self.snapshots.add(self.read, self.part.snapshot())
+
+    def _insert(self, positions: np.ndarray, chunk: list[Any]) -> None:
+        cost, budget = self.settings.cost, self.settings.budget
+        padded = np.asarray(cost.padded_length(self.settings.lengths(chunk, int(positions[0]))), np.int64)
+        unit = cost.sample_cost(padded)
+        over = unit > budget
+        if over.any() and self.settings.oversize != "alone":
+            first = int(np.flatnonzero(over)[0])
+            if self.settings.oversize == "error":
+                raise OversizeSampleError(
+                    f"the example at position {int(positions[first])} of rank {self.reader.rank}'s part "
+                    f"(worker {self.reader.worker}; padded length {int(padded[first])}) costs "
+                    f"{float(unit[first]):g} on its own, more than the budget max_tokens={budget:g}; "
+                    f"raise max_tokens, truncate the sequences, or pass oversize='alone' (a batch of "
+                    f"one) or oversize='skip'"
+                )
+            if not self.skipped:
+                logger.warning(
+                    "epoch %d: leaving out examples that alone exceed max_tokens=%g (oversize='skip'), the "
+                    "first at position %d of rank %d's part (worker %d); the count is logged at the end",
+                    self.epoch, budget, int(positions[first]), self.reader.rank, self.reader.worker,
+                )  # fmt: skip
+            self.skipped += int(over.sum())
+            keep = ~over
+            chunk = [example for example, kept in zip(chunk, keep.tolist(), strict=True) if kept]
+            positions, padded, unit = positions[keep], padded[keep], unit[keep]
+        self.buffer.add(positions, padded, unit, tie_breaks(positions, self.salt), chunk)
+
+    # -- batching ----------------------------------------------------------------
+
+    def batches(self) -> Iterator[list[Any]]:
+        if self.phase == "start":
+            self._iter = self.part.open(0)
+            self._fill()
+            buckets = self.settings.buckets
+            if not isinstance(buckets, np.ndarray):
+                buckets = estimate_boundaries(self.buffer.padded(), self.buffer.unit, buckets)
+            self.buffer.set_boundaries(buckets)
+            self.phase = "stream"
+        # Refill in chunks of a sixteenth of the buffer, not after every batch: merging new
+        # examples into the length order costs O(buffer_size) however few they are.
+        refill = self.settings.buffer_size - max(1, self.settings.buffer_size // 16)
+        while self.phase == "stream":
+            if len(self.buffer) <= refill:
+                self._fill()
+            if self._final_now():
+                self._begin_final()
+                break
+            start, stop = self.buffer.draw(self.shared.random(), self.local.random(2).tolist())
+            batch = self.buffer.take(start, stop)
+            self.yielded += 1
+            yield batch  # the state already excludes this batch: a checkpoint taken now resumes after it
+        while self.final:
+            batch = self.buffer.take_slots(self.final.popleft())
+            self.yielded += 1
+            yield batch
+        if self.phase != "done":
+            self.phase = "done"
+            self._log_end()
+
+    def _final_now(self) -> bool:
+        if self.agree is None:
+            return self.exhausted
+        low = self.exhausted and len(self.buffer) < self.settings.buffer_size / 2
+        anyone_low, anyone_reading = self.agree([float(low), 0.0 if self.exhausted else 1.0])
+        return anyone_low > 0 or anyone_reading == 0
+
+    def _begin_final(self) -> None:
+        rng = np.random.default_rng([self.settings.seed, self.epoch, self.reader.rank, self.reader.worker, 4])
+        if not self.exhausted:
+            # Parts of equal size (+-1 example) end within a few batches of each other: read what is
+            # left of this one into the final round, up to one more buffer (memory stays bounded).
+            self._read(self.settings.buffer_size)
+        held = len(self.buffer)
+        plan = self.buffer.plan_rest(rng)
+        count = len(plan)
+        if self.agree is not None:
+            most, fewest_held = self.agree([float(len(plan)), -float(held)])
+            count = int(min(most, -fewest_held))
+        if count > len(plan):
+            plan = split_to(plan, count)
+        self.final = deque(plan[:count])
+        for slots in plan[count:]:
+            self.buffer.release(slots)
+            self.left_out += len(slots)
+        if not self.exhausted:
+            logger.warning(
+                "epoch %d: rank %d (worker %d) stops reading its part after %d examples, as another rank's "
+                "part is read out; the rest of this part (more than a buffer) is not read this epoch "
+                "(the ranks' parts are uneven: give every rank the same number of examples or shards)",
+                self.epoch, self.reader.rank, self.reader.worker, self.read,
+            )  # fmt: skip
+        self.phase = "final"
+
+    def _log_end(self) -> None:
+        if self.skipped:
+            logger.warning(
+                "epoch %d: left out %d example(s) of rank %d's part (worker %d) that alone exceed "
+                "max_tokens=%g (oversize='skip')",
+                self.epoch, self.skipped, self.reader.rank, self.reader.worker, self.settings.budget,
+            )  # fmt: skip
+        if self.left_out:
+            logger.warning(
+                "epoch %d: rank %d (worker %d) left out %d example(s) it had read, because another rank "
+                "held too few examples for a final round of equal batch counts",
+                self.epoch, self.reader.rank, self.reader.worker, self.left_out,
+            )  # fmt: skip
+
+    # -- checkpointing -----------------------------------------------------------
+
+    def state(self) -> dict[str, Any]:
+        """Where this reader is: a resume yields exactly the batches this pass would yield next."""
+        pending = self.buffer.positions().tolist()
+        final = [self.buffer.position[slots].tolist() for slots in self.final]
+        oldest = min(itertools.chain(pending, *final), default=self.read)
+        source_position, source_state = self.snapshots.before(oldest)
+        return {
+            "phase": self.phase,
+            "read": self.read,
+            "exhausted": self.exhausted,
+            "pending": pending,
+            "final": final,
+            "source_position": source_position,
+            "source_state": source_state,
+            "boundaries": self.buffer.boundaries.tolist(),
+            "local_rng": self.local.bit_generator.state,
+            "shared_rng": self.shared.bit_generator.state,
+            "yielded": self.yielded,
+            "skipped": self.skipped,
+            "left_out": self.left_out,
+        }
+
+    def _restore(self, state: dict[str, Any]) -> None:
+        self.phase, self.read, self.exhausted = state["phase"], int(state["read"]), bool(state["exhausted"])
+        self.yielded, self.skipped = int(state["yielded"]), int(state["skipped"])
+        self.left_out = int(state["left_out"])
+        self.buffer.set_boundaries(np.asarray(state["boundaries"], np.int64))
+        self.local.bit_generator.state = state["local_rng"]
+        self.shared.bit_generator.state = state["shared_rng"]
+        if self.phase in ("start", "done"):
+            return
+        pending = sorted(int(p) for p in state["pending"])
+        final = [[int(p) for p in batch] for batch in state["final"]]
+        found = self._reread(pending + [p for batch in final for p in batch], state)
+        if pending:
+            self._insert(np.asarray(pending, np.int64), [found[p] for p in pending])
+        for batch in final:
+            self.final.append(self.buffer.hold(np.asarray(batch, np.int64), [found[p] for p in batch]))
+
+    def _reread(self, wanted: list[int], state: dict[str, Any]) -> dict[int, Any]:
+        """The examples at ``wanted``, with the part's iterator left at :attr:`read`."""
+        source_position, source_state = int(state["source_position"]), state["source_state"]
+        if self.part.kind == "sequence":
+            self._iter = self.part.open(self.read)
+            return self.part.fetch(wanted)
+        iterator = self.part.open(source_position, source_state)
+        if self.part.kind == "datasets" and source_position:
+            self.snapshots.add(source_position, source_state)
+        keep, found = set(wanted), {}
+        for position in range(source_position, self.read):
+            try:
+                example = next(iterator)
+            except StopIteration:
+                raise ValueError(
+                    f"cannot resume: rank {self.reader.rank}'s part (worker {self.reader.worker}) ended at "
+                    f"position {position}, but the state says {self.read} examples were read; resume "
+                    f"with the same examples in the same order"
+                ) from None
+            if position in keep:
+                found[position] = example
+        self._iter = iterator
+        return found
