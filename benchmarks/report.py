@@ -19,10 +19,11 @@ from typing import Any
 from benchmarks import common
 from benchmarks.readings import READERS, headline
 
-MODULES = ("padding", "planning", "training", "oom_recovery", "probe", "gpu")
+MODULES = ("padding", "planning", "streaming", "training", "oom_recovery", "probe", "gpu")
 TITLES = {
     "padding": "Padding and steps",
     "planning": "Planning speed",
+    "streaming": "Streaming (TokenBudgetStream)",
     "training": "Training throughput (CPU)",
     "oom_recovery": "OOM recovery",
     "probe": "Budget probe",
