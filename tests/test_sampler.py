@@ -283,6 +283,16 @@ def test_replan_rejects_bad_arguments_and_stays_unchanged() -> None:
         sampler.replan(50, steps_done=len(before) + 1)
     with pytest.raises(ValueError, match="max_tokens should be a positive finite number"):
         sampler.replan(0, steps_done=0)
-    with pytest.raises(ValueError, match=r"sample 3 \(padded length 80\)"):
-        sampler.replan(50, steps_done=0)
     assert sampler.max_tokens == 100 and list(sampler) == before
+
+
+@pytest.mark.parametrize("oversize", ["error", "skip"])
+def test_a_lower_budget_refuses_or_leaves_out_no_sample_the_sampler_admitted(oversize: str) -> None:
+    lengths = [5, 6, 7, 80, 500] if oversize == "skip" else [5, 6, 7, 80]
+    sampler = TokenBudgetBatchSampler(lengths, 100, seed=1, oversize=oversize)
+    sampler.replan(50, steps_done=0)  # 80 fitted the budget of 100: it gets a batch of its own
+    for epoch in range(2):
+        sampler.set_epoch(epoch)  # and so in later epochs, planned under the lowered budget
+        batches = list(sampler)
+        assert [3] in batches and sorted(i for b in batches for i in b) == [0, 1, 2, 3]
+        assert sampler.plan.skipped.tolist() == ([4] if oversize == "skip" else [])

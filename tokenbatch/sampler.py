@@ -53,7 +53,10 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
             drop the cheapest batches instead of splitting the largest.
         oversize: a sample that alone exceeds the budget raises (``"error"``),
             is left out and counted (``"skip"``), or gets a batch of its own
-            (``"alone"``).
+            (``"alone"``). This is judged against ``max_tokens`` as given here:
+            after the budget is lowered (:meth:`replan`, ``OOMFallback``), a
+            sample that fitted it but not the new budget gets a batch of its
+            own; only running out of memory alone shows that it does not fit.
         num_replicas: the world size; defaults to ``torch.distributed``'s, or
             ``$WORLD_SIZE``, read when the plan is made.
         rank: yield only this rank's batches (plain DDP); None yields the
@@ -108,6 +111,7 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
         self._keys = np.asarray(self.cost.padded_length(self.lengths), dtype=np.int64)
         self._unit = per_sample_costs(self.cost, self._keys)
         self._max_tokens = _checks.positive_number("max_tokens", max_tokens)
+        self._admitted = self._max_tokens  # oversize is judged against the budget given here
         check_oversize(self._keys, self._unit, self._max_tokens, self.oversize)
         self._position = EpochPosition()
         # How this epoch's plan came about (_history): first budget and ranks (None: read when planned).
@@ -181,7 +185,7 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
         check_rank(self.rank, world)
         planner = Planner(
             self._keys, self._unit, self.shuffle, self.seed, self.max_batch_size,
-            self.batch_size_multiple, self.drop_last, self.oversize,
+            self.batch_size_multiple, self.drop_last, self.oversize, self._admitted,
         )  # fmt: skip
         return planner.plan(epoch, history, world, names=names)
 
@@ -226,10 +230,13 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
         budget. The next iteration starts at step ``steps_done``, later epochs
         keep the new budget, and a running iterator stops.
 
+        A remaining sample that alone exceeds the new budget gets a batch of
+        its own (see ``oversize``).
+
         Raises:
-            OversizeSampleError: a remaining sample alone exceeds the new budget
-                (``oversize="error"``); the sampler is left unchanged.
-            ValueError: ``steps_done`` is beyond the plan, or before the last re-plan.
+            ValueError: ``steps_done`` is beyond the plan, or before the last
+                re-plan, or too few samples remain to give every rank a batch
+                (see ``drop_last``); the sampler is left unchanged.
         """
         max_tokens = _checks.positive_number("max_tokens", max_tokens)
         steps_done = _checks.non_negative_int("steps_done", steps_done)

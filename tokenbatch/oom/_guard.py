@@ -15,11 +15,10 @@ from tokenbatch.oom._accumulate import KeptGradients
 from tokenbatch.oom._attempt import ForwardBackward, StepWork
 from tokenbatch.oom._detect import free_memory
 from tokenbatch.oom._eval import EvalGuard
-from tokenbatch.oom._events import OOMEvent, SampleTooLargeError
+from tokenbatch.oom._events import OOMEvent
 from tokenbatch.oom._optimizer import guarded_step
 from tokenbatch.oom._outcome import Outcome, next_event, raise_on_every_rank, share
 from tokenbatch.oom._strategies import Strategy, as_strategy, moved_option
-from tokenbatch.plan import OversizeSampleError
 from tokenbatch.sampler import TokenBudgetBatchSampler
 
 logger = logging.getLogger("tokenbatch.oom")
@@ -183,10 +182,6 @@ class OOMFallback:
 
         Returns:
             False, changing nothing, when the budget in force is already at most ``max_tokens``.
-
-        Raises:
-            OversizeSampleError: halve mode, and a remaining sample alone exceeds
-                ``max_tokens``; nothing is changed.
         """
         max_tokens = _checks.positive_number("max_tokens", max_tokens)
         if max_tokens >= self.max_tokens:
@@ -319,15 +314,7 @@ class OOMFallback:
             self.sampler.replan(max_tokens, steps_done=steps_done)
 
     def _replan(self, event: OOMEvent) -> None:
-        try:
-            self._lower(event.new_max_tokens, steps_done=event.step)
-        except OversizeSampleError as error:
-            raise SampleTooLargeError(
-                f"out of memory at epoch {event.epoch}, step {event.step}; the rest of the epoch cannot "
-                f"be re-planned under max_tokens={event.new_max_tokens:g}: {error}",
-                length=event.longest,
-                max_tokens=event.new_max_tokens,
-                step=event.step,
-                rank=event.ranks[0],
-            ) from error
+        # A sample over the new budget gets a batch of its own (the sampler admitted it): only when
+        # it runs out of memory alone does next_event raise SampleTooLargeError, with its length.
+        self._lower(event.new_max_tokens, steps_done=event.step)
         self._cursor.restart_pending = True
