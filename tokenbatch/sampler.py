@@ -205,7 +205,23 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
         return plan.num_steps - start if self.rank is not None else plan.num_batches - plan.step_start(start)
 
     def __iter__(self) -> Iterator[list[int]]:
-        yield from self._position.walk(self.plan, self.rank)  # the plan as it is at the first batch
+        epoch, history = self.epoch, self._history
+        stopped = yield from self._position.walk(self.plan, self.rank)  # the plan as it is at the first batch
+        if stopped is not None and self._replanned_since(epoch, history) and self._position.start >= stopped:
+            # Re-planned from the step this pass is at, or later: of what it handed out only that step
+            # is re-planned, and its batch was dropped (a loop over a DataLoader without workers), so
+            # it carries on with the new plan. A pass that read further ahead stops: a new one starts.
+            yield from self.__iter__()
+
+    def _replanned_since(self, epoch: int, history: History) -> bool:
+        """The epoch's plan is ``history``'s with more re-plans: no new epoch or resume since."""
+        now = self._history
+        return (
+            self.epoch == epoch
+            and (now.max_tokens, now.num_replicas) == (history.max_tokens, history.num_replicas)
+            and now.replans[: len(history.replans)] == history.replans
+            and len(now.replans) > len(history.replans)
+        )
 
     def set_epoch(self, epoch: int) -> None:
         """Start epoch ``epoch`` (a new plan); the current epoch again is a no-op.
@@ -227,8 +243,10 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
 
         The first ``steps_done`` global steps stay as they were (trained);
         everything after them, fetched or not, is planned again under the new
-        budget. The next iteration starts at step ``steps_done``, later epochs
-        keep the new budget, and a running iterator stops.
+        budget. The next iteration starts at step ``steps_done``, and later
+        epochs keep the new budget. A running iterator carries on with the new
+        plan if it has handed out nothing after step ``steps_done`` (a DataLoader
+        without workers, read one batch at a time); one that read further stops.
 
         A remaining sample that alone exceeds the new budget gets a batch of
         its own (see ``oversize``).

@@ -249,17 +249,23 @@ class OOMFallback:
             SampleTooLargeError: even one sample does not fit, or the budget is at ``min_tokens``.
             RankFailedError: another rank raised an error that is not out-of-memory
                 (that rank re-raises its own error unchanged).
+            RuntimeError: halve mode, in a loop over the DataLoader itself: the
+                batch is from a plan a re-plan replaced (the DataLoader read it
+                ahead); :meth:`iterate` starts the DataLoader afresh instead.
         """
         step = self._cursor.current_step()
         passes = self._passes
         params = passes.params()
+        unfed = self._cursor.unfed()  # a batch of the plan a re-plan replaced: refused on every rank
         # Accumulation: the step runs into fresh gradients; the group's earlier ones survive a failure.
         with passes.ddp.step(self.accelerator) as sync, KeptGradients(params) as kept:
             work = StepWork(batch)
             attempt = 0
             while True:
                 outcome, error = Outcome(), None
-                if work.loss is None:
+                if unfed is not None:
+                    outcome, error = Outcome("error"), unfed
+                elif work.loss is None:
                     micro = self._strategy.split_budget(self._micro_tokens, self.sampler.max_tokens)
                     outcome, error = passes.attempt(
                         work, loss_fn, params, micro_tokens=micro, sync=sync, kept=kept
@@ -317,4 +323,4 @@ class OOMFallback:
         # A sample over the new budget gets a batch of its own (the sampler admitted it): only when
         # it runs out of memory alone does next_event raise SampleTooLargeError, with its length.
         self._lower(event.new_max_tokens, steps_done=event.step)
-        self._cursor.restart_pending = True
+        self._cursor.replanned()
