@@ -310,3 +310,18 @@ def test_a_lower_budget_refuses_or_leaves_out_no_sample_the_sampler_admitted(ove
         batches = list(sampler)
         assert [3] in batches and sorted(i for b in batches for i in b) == [0, 1, 2, 3]
         assert sampler.plan.skipped.tolist() == ([4] if oversize == "skip" else [])
+
+
+def test_a_dataloader_reading_the_global_plan_itself_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """rank=None on 2 processes: a plain DataLoader would give every rank every batch (issue 11, item 7)."""
+    from accelerate.data_loader import BatchSamplerShard
+    from torch.utils.data import DataLoader
+
+    sampler = TokenBudgetBatchSampler(long_tailed(100), 512, seed=0, num_replicas=2)
+    assert len(list(DataLoader(range(100), batch_sampler=sampler))) == 2 * sampler.plan.num_steps  # 1 process
+    monkeypatch.setenv("WORLD_SIZE", "2")  # as torchrun sets it for each of 2 processes
+    with pytest.raises(ValueError, match=r"but got rank=None: .* every rank would train every sample"):
+        next(iter(DataLoader(range(100), batch_sampler=sampler)))
+    shares = [DataLoader(range(100), batch_sampler=BatchSamplerShard(sampler, 2, r)) for r in range(2)]
+    assert sorted(int(i) for share in shares for batch in share for i in batch) == list(range(100))
+    assert len(list(sampler)) == 2 * sampler.plan.num_steps  # the global plan itself, as before

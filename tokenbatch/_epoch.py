@@ -16,7 +16,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any, Generic, TypeVar
 
 from tokenbatch import distributed
-from tokenbatch.sampler import TokenBudgetBatchSampler
+from tokenbatch.sampler import TokenBudgetBatchSampler, unsharded_error
 
 logger = logging.getLogger("tokenbatch.oom")
 
@@ -184,13 +184,20 @@ class EpochCursor:
             batches.close()
 
     def _check_feeds(self, dataloader: object) -> None:
-        """Refuse a DataLoader that the sampler does not feed (re-plans would not reach it)."""
+        """Refuse a DataLoader that the sampler does not feed (re-plans would not reach it).
+
+        Also one that reads the global plan as it is on several processes:
+        every rank would train every sample.
+        """
         source: Any = dataloader
         seen: list[str] = []
         while getattr(source, "batch_sampler", None) is not None and len(seen) < 4:
             source = source.batch_sampler  # DataLoader -> accelerate's BatchSamplerShard -> ...
             seen.append(type(source).__name__)
             if source is self.sampler:
+                world = distributed.world_size()
+                if len(seen) == 1 and self.sampler.rank is None and world > 1:
+                    raise unsharded_error(world)
                 return
         if seen:
             raise ValueError(

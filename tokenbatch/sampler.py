@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import functools
 import logging
+import sys
 from collections.abc import Iterator, Sequence
+from types import FrameType
 from typing import Any
 
 import numpy as np
@@ -18,6 +20,26 @@ from tokenbatch.plan import OVERSIZE_POLICIES, Plan
 from tokenbatch.stats import PlanStats, batch_stats
 
 logger = logging.getLogger(__name__)
+
+
+def unsharded_error(world: int) -> ValueError:
+    """The error for the global plan read as it is by a DataLoader on each of ``world`` processes."""
+    return ValueError(
+        f"rank should be this process's rank when a DataLoader reads the sampler itself on {world} "
+        f"processes (plain DDP), but got rank=None: the sampler then yields the global plan, every "
+        f"rank's batches, and every rank would train every sample; pass "
+        f"rank=torch.distributed.get_rank(), or let accelerator.prepare(dataloader) share the plan out"
+    )
+
+
+def _read_by_a_dataloader(frame: FrameType | None) -> bool:
+    """``frame`` is a torch DataLoader iterator's, asking for the next batch: nothing shares the plan out.
+
+    accelerate's ``BatchSamplerShard``, which does, reads the sampler from its own frame.
+    """
+    from torch.utils.data.dataloader import _BaseDataLoaderIter
+
+    return frame is not None and isinstance(frame.f_locals.get("self"), _BaseDataLoaderIter)
 
 
 class TokenBudgetBatchSampler(Sampler[list[int]]):
@@ -35,7 +57,8 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
     with a batch count that is a multiple of the world size: exactly what
     ``accelerator.prepare``'s ``BatchSamplerShard`` expects, which keeps
     batches ``rank, rank + W, ...`` on each rank. With an explicit ``rank``
-    it yields only that rank's batches, for plain DDP loops.
+    it yields only that rank's batches, for plain DDP loops; a DataLoader that
+    reads the global plan itself on several processes is refused.
 
     Args:
         lengths: the padded length of every example, as the collator will pad
@@ -205,6 +228,9 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
         return plan.num_steps - start if self.rank is not None else plan.num_batches - plan.step_start(start)
 
     def __iter__(self) -> Iterator[list[int]]:
+        world = distributed.world_size()
+        if self.rank is None and world > 1 and _read_by_a_dataloader(sys._getframe(1)):
+            raise unsharded_error(world)
         epoch, history = self.epoch, self._history
         stopped = yield from self._position.walk(self.plan, self.rank)  # the plan as it is at the first batch
         if stopped is not None and self._replanned_since(epoch, history) and self._position.start >= stopped:

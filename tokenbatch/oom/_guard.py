@@ -230,7 +230,8 @@ class OOMFallback:
         resumes at the first step not yet trained.
 
         Raises:
-            ValueError: ``dataloader`` does not draw its batches from the sampler.
+            ValueError: ``dataloader`` does not draw its batches from the sampler,
+                or reads its global plan (``rank=None``) itself on several processes.
         """
         return self._cursor.iterate(dataloader)
 
