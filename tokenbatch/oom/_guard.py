@@ -161,18 +161,33 @@ class OOMFallback:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume the micro-batch budget (split mode) and the event history from :meth:`state_dict`."""
+        """Resume the micro-batch budget (split mode) and the event history from :meth:`state_dict`.
+
+        Every field is checked before anything changes: on an error the fallback is as it was.
+
+        Raises:
+            TypeError, ValueError: the state is not this mode's ``state_dict()``, or a field
+                is wrong; the message names it.
+        """
         expected = {"version", "mode", "max_tokens", "events"}
         if not isinstance(state, dict) or set(state) != expected or state["version"] != 1:
             raise ValueError(
                 f"state should be an OOMFallback.state_dict() (version 1, keys {sorted(expected)}), "
                 f"but got {state!r:.200}"
             )
-        if self._strategy.keeps_step:
-            self._micro_tokens = min(
-                self.sampler.max_tokens, _checks.positive_number("max_tokens", state["max_tokens"])
+        if state["mode"] != self.mode:  # a halve-mode budget is the sampler's, not a micro-batch one
+            raise ValueError(
+                f"state['mode'] should be {self.mode!r}, this fallback's mode, but got "
+                f"state['mode']={state['mode']!r}; resume with OOMFallback(..., mode={state['mode']!r})"
             )
-        self.events = [OOMEvent.from_dict(e) for e in state["events"]]
+        max_tokens = _checks.positive_number("state['max_tokens']", state["max_tokens"])
+        saved = state["events"]
+        if not isinstance(saved, list | tuple):
+            raise TypeError(f"state['events'] should be a list, but got state['events']={saved!r:.100}")
+        events = [OOMEvent.from_dict(e, name=f"state['events'][{i}]") for i, e in enumerate(saved)]
+        if self._strategy.keeps_step:
+            self._micro_tokens = min(self.sampler.max_tokens, max_tokens)
+        self.events = events
 
     def start_from(self, max_tokens: float) -> bool:
         """Lower the budget in force to ``max_tokens`` before training (a budget known to fit).
