@@ -55,8 +55,9 @@ class OOMFallback:
     step runs into fresh gradients and adds the group's earlier ones on
     success, so a failed or dropped step loses only its own (this costs one
     gradient-sized buffer while earlier gradients exist). Split mode matches
-    an unsplit run up to floating point when the model is deterministic (no
-    dropout); with dropout, micro-batches draw different masks.
+    an unsplit run up to floating point when each sample's loss does not
+    depend on how the batch is cut (see :class:`~tokenbatch.oom.Split`); with
+    dropout it does not, as micro-batches draw other masks.
 
     To start from the budget an earlier run ended with, and remember each
     new one, see :func:`tokenbatch.remember_budget`.
