@@ -118,6 +118,32 @@ def test_a_replan_once_the_loader_read_the_whole_plan_is_not_silent(caplog: pyte
     assert "had already read the whole old plan" in caplog.text  # the last epoch has no next batch: a warning
 
 
+def test_a_training_budget_lowered_by_evaluation_between_steps_carries_on() -> None:
+    """``evaluate(lower_training=True)`` re-plans halve mode between steps: a plain loop goes on."""
+    model = Tiny()
+    sampler = TokenBudgetBatchSampler(LENGTHS, 160, seed=0)
+    fallback = OOMFallback(sampler, model, mode="halve")
+
+    def forward(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return model(batch["input_ids"], batch["attention_mask"])
+
+    trained: list[list[int]] = []
+    loader = plain(sampler)
+    for epoch in range(2):
+        sampler.set_epoch(epoch)
+        trained.append([])
+        for step, batch in enumerate(loader):
+            assert fallback.backward(batch, forward) is not None
+            trained[-1] += batch["idx"].tolist()
+            if step == 1 and epoch == 0:
+                with inject_oom(model, 100):
+                    fallback.evaluate(collate(ROWS[:20]), forward, lower_training=True)
+        if epoch == 0:
+            with inject_oom(model, 45):  # after the epoch's last step: nothing left to re-plan
+                fallback.evaluate(collate(ROWS[:20]), forward, lower_training=True)
+    assert sampler.max_tokens <= 45 and [sorted(epoch) for epoch in trained] == [list(range(60))] * 2
+
+
 def train(
     lengths: list[int], max_tokens: float, limit: float, *, mode: str, oversize: str, epochs: int = 2
 ) -> tuple[list[list[int]], OOMFallback]:

@@ -133,6 +133,8 @@ class EpochCursor:
         the old plan, and a pass that had already finished is warned about.
         """
         position = self.sampler.position
+        if position.start >= self.sampler.plan.num_steps:
+            return  # re-planned after the epoch's last step: nothing left to start a pass for
         self.restart_pending = True
         self._replanned = (position.generation, self.sampler.epoch, position.start)
         finished = position.finished and position.served == position.generation - 1  # the plan replaced

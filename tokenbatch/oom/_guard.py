@@ -223,8 +223,9 @@ class OOMFallback:
         """
         result = self.eval_guard.evaluate(batch, fn)
         budget = self.eval_guard.max_tokens
-        if lower_training and budget is not None and self.start_from(budget):
-            self._cursor.restart_pending = not self._strategy.keeps_step  # halve: iterate() resumes afresh
+        lowered = lower_training and budget is not None and self.start_from(budget)
+        if lowered and not self._strategy.keeps_step:
+            self._cursor.replanned()  # halve: iterate() resumes afresh
         return result
 
     # -- the loop ------------------------------------------------------------------
