@@ -50,8 +50,10 @@ def main() -> None:
             errors[name] = {"type": type(error).__name__, "message": str(error)}
         dist.barrier()
     Path(sys.argv[1], f"rank{rank}.json").write_text(json.dumps(errors))
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main()
+    from teardown import end_process_group
+
+    end_process_group()
