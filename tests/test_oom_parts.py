@@ -185,3 +185,48 @@ def test_take_rows_keeps_the_batch_type() -> None:
     assert take_rows(pair, inspect_batch(pair), np.array([2]), None)[1].tolist() == [2]
     with pytest.raises(ValueError, match="weight should be"):
         Split(weight="rows")  # checked once, where the option is given
+
+
+# -- the fallback's saved state ------------------------------------------------------------
+
+
+def test_fallback_state_is_checked_whole_before_anything_changes() -> None:
+    """Issue 11, item 15: another mode's state, or a malformed event, is refused naming the field."""
+    import json
+
+    from tokenbatch import OOMFallback, TokenBudgetBatchSampler
+    from tokenbatch.oom import OOMEvent
+
+    def fallback(mode: str) -> OOMFallback:
+        return OOMFallback(TokenBudgetBatchSampler([8] * 16, 64), torch.nn.Linear(2, 1), mode=mode)
+
+    event = OOMEvent(epoch=0, step=3, mode="split", old_max_tokens=64, new_max_tokens=32, longest=8,
+                     ranks=(1,), where=("backward",))  # fmt: skip
+    good = {"version": 1, "mode": "split", "max_tokens": 32.0, "events": [event.as_dict()]}
+    split = fallback("split")
+    split.load_state_dict(json.loads(json.dumps(good)))  # lists for tuples, as JSON gives them back
+    assert split.max_tokens == 32 and split.events == [event]
+    bad = [
+        ({**good, "mode": "halve"}, ValueError, r"state\['mode'\] should be 'split', this fallback's mode"),
+        ({**good, "max_tokens": float("nan")}, ValueError, r"state\['max_tokens'\] should be a positive"),
+        ({**good, "events": {"0": event}}, TypeError, r"state\['events'\] should be a list"),
+    ]
+    broken = {
+        "ranks": (r"state\['events'\]\[0\] should be an OOMEvent\.as_dict\(\), with keys", None),
+        "step": (r"state\['events'\]\[0\]\['step'\] should be an integer >= 0, but got .*=-1", -1),
+        "where": (r"state\['events'\]\[0\]\['where'\] should hold 'forward' or 'backward' for each", []),
+        "mode": (r"state\['events'\]\[0\]\['mode'\] should be one of 'split', 'halve'", "double"),
+    }
+    for key, (match, value) in broken.items():
+        entry = {k: v for k, v in event.as_dict().items() if value is not None or k != key}
+        if value is not None:
+            entry[key] = value
+        bad.append(({**good, "max_tokens": 16.0, "events": [entry]}, ValueError, match))
+    for state, error, match in bad:
+        with pytest.raises(error, match=match):
+            split.load_state_dict(state)
+        assert split.max_tokens == 32 and split.events == [event]  # unchanged
+    halve = fallback("halve")
+    with pytest.raises(ValueError, match=r"state\['mode'\] should be 'halve'.* mode='split'"):
+        halve.load_state_dict(good)
+    assert halve.events == []

@@ -119,17 +119,31 @@ def test_set_epoch_same_epoch_keeps_resumed_position() -> None:
     assert len(resumed) == len(list(resumed))
 
 
-def test_replan_stops_a_running_iterator() -> None:
+def test_replan_stops_a_running_iterator_that_read_past_it() -> None:
     lengths = long_tailed(400)
     sampler = TokenBudgetBatchSampler(lengths, 1024, seed=2)
     iterator = iter(sampler)
     taken = [next(iterator) for _ in range(3)]
-    sampler.replan(512, steps_done=2)  # the third batch was fetched but not trained
+    sampler.replan(512, steps_done=1)  # the second and third batches were fetched but not trained
     assert list(iterator) == []
-    assert sampler.start_step == 2
+    assert sampler.start_step == 1
     rest = list(sampler)
-    assert sorted(i for b in taken[:2] + rest for i in b) == list(range(400))
+    assert sorted(i for b in taken[:1] + rest for i in b) == list(range(400))
     assert sampler.state_dict()["max_tokens"] == 512.0
+
+
+def test_replan_from_the_step_last_handed_out_carries_on_in_the_running_iterator() -> None:
+    """As a loop over a DataLoader without workers reads it: the batch it holds is the one re-planned."""
+    lengths = long_tailed(400)
+    sampler = TokenBudgetBatchSampler(lengths, 1024, seed=2, num_replicas=2)
+    iterator = iter(sampler)
+    taken = [next(iterator) for _ in range(6)]  # three whole steps
+    sampler.replan(512, steps_done=2)  # the third step's batches were fetched but not trained
+    plan = sampler.plan
+    expected = [plan.batch(b).tolist() for b in range(2 * 2, plan.num_batches)]
+    rest = list(iterator)
+    assert rest == expected and sampler.position.handed_out == plan.num_steps
+    assert sorted(i for b in taken[:4] + rest for i in b) == list(range(400))
 
 
 def test_state_dict_default_position_counts_handed_out_steps() -> None:
@@ -148,11 +162,11 @@ def test_position_is_the_one_cursor_of_the_epoch() -> None:
         next(iterator)
     assert (position.start, position.handed_out, position.trained) == (0, 2, 0)
     generation = position.generation
-    sampler.replan(256, steps_done=1)
-    assert (position.start, position.handed_out, position.trained) == (1, 1, 1)
+    sampler.replan(256, steps_done=0)  # before the step last handed out: the old pass cannot carry on
+    assert (position.start, position.handed_out, position.trained) == (0, 0, 0)
     assert position.generation == generation + 1
     assert list(iterator) == []  # the old pass stops, and leaves the new plan's position alone
-    assert position.handed_out == 1 and sampler.state_dict()["steps_done"] == 1
+    assert position.handed_out == 0 and sampler.state_dict()["steps_done"] == 0
     sampler.set_epoch(1)
     assert (position.epoch, position.start, position.handed_out, position.trained) == (1, 0, 0, 0)
 
@@ -283,6 +297,31 @@ def test_replan_rejects_bad_arguments_and_stays_unchanged() -> None:
         sampler.replan(50, steps_done=len(before) + 1)
     with pytest.raises(ValueError, match="max_tokens should be a positive finite number"):
         sampler.replan(0, steps_done=0)
-    with pytest.raises(ValueError, match=r"sample 3 \(padded length 80\)"):
-        sampler.replan(50, steps_done=0)
     assert sampler.max_tokens == 100 and list(sampler) == before
+
+
+@pytest.mark.parametrize("oversize", ["error", "skip"])
+def test_a_lower_budget_refuses_or_leaves_out_no_sample_the_sampler_admitted(oversize: str) -> None:
+    lengths = [5, 6, 7, 80, 500] if oversize == "skip" else [5, 6, 7, 80]
+    sampler = TokenBudgetBatchSampler(lengths, 100, seed=1, oversize=oversize)
+    sampler.replan(50, steps_done=0)  # 80 fitted the budget of 100: it gets a batch of its own
+    for epoch in range(2):
+        sampler.set_epoch(epoch)  # and so in later epochs, planned under the lowered budget
+        batches = list(sampler)
+        assert [3] in batches and sorted(i for b in batches for i in b) == [0, 1, 2, 3]
+        assert sampler.plan.skipped.tolist() == ([4] if oversize == "skip" else [])
+
+
+def test_a_dataloader_reading_the_global_plan_itself_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """rank=None on 2 processes: a plain DataLoader would give every rank every batch (issue 11, item 7)."""
+    from accelerate.data_loader import BatchSamplerShard
+    from torch.utils.data import DataLoader
+
+    sampler = TokenBudgetBatchSampler(long_tailed(100), 512, seed=0, num_replicas=2)
+    assert len(list(DataLoader(range(100), batch_sampler=sampler))) == 2 * sampler.plan.num_steps  # 1 process
+    monkeypatch.setenv("WORLD_SIZE", "2")  # as torchrun sets it for each of 2 processes
+    with pytest.raises(ValueError, match=r"but got rank=None: .* every rank would train every sample"):
+        next(iter(DataLoader(range(100), batch_sampler=sampler)))
+    shares = [DataLoader(range(100), batch_sampler=BatchSamplerShard(sampler, 2, r)) for r in range(2)]
+    assert sorted(int(i) for share in shares for batch in share for i in batch) == list(range(100))
+    assert len(list(sampler)) == 2 * sampler.plan.num_steps  # the global plan itself, as before

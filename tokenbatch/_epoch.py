@@ -11,10 +11,14 @@ shuts an abandoned DataLoader iterator down.
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterable, Iterator
 from typing import Any, Generic, TypeVar
 
-from tokenbatch.sampler import TokenBudgetBatchSampler
+from tokenbatch import distributed
+from tokenbatch.sampler import TokenBudgetBatchSampler, unsharded_error
+
+logger = logging.getLogger("tokenbatch.oom")
 
 T = TypeVar("T")
 
@@ -50,6 +54,7 @@ class EpochBatches(Generic[T]):
                 # it with the sampler, or a resumed or restarted epoch would be sent back to another.
                 set_epoch(self.sampler.epoch)
             self._iterator = iter(self.dataloader)
+            self.sampler.position.managed = True
         try:
             batch = next(self._iterator)
         except StopIteration:
@@ -68,6 +73,7 @@ class EpochBatches(Generic[T]):
 
     def close(self) -> None:
         """Stop an unfinished DataLoader iterator (and unregister it from accelerate's gradient state)."""
+        self.sampler.position.managed = False
         iterator, self._iterator = self._iterator, None
         if iterator is None:
             return
@@ -99,6 +105,7 @@ class EpochCursor:
         """After a re-plan: the running ``iterate`` must start the DataLoader afresh."""
         self._step = 0
         self._iterating = False
+        self._replanned = (-1, 0, 0)  # the last re-plan: the plan's generation, its epoch and step
 
     @property
     def steps_done(self) -> int:
@@ -116,6 +123,48 @@ class EpochCursor:
     def current_step(self) -> int:
         """The step being trained: the batch ``iterate`` last yielded, else the next one."""
         return self._step if self._iterating else self.steps_done
+
+    def replanned(self) -> None:
+        """After a halve-mode re-plan: the rest of the epoch is for a new pass over the DataLoader.
+
+        ``iterate`` (and the Trainer) start one. A loop of your own gets the
+        new plan from its running pass where that pass can give it (see
+        ``TokenBudgetBatchSampler.replan``); :meth:`unfed` refuses a batch of
+        the old plan, and a pass that had already finished is warned about.
+        """
+        position = self.sampler.position
+        if position.start >= self.sampler.plan.num_steps:
+            return  # re-planned after the epoch's last step: nothing left to start a pass for
+        self.restart_pending = True
+        self._replanned = (position.generation, self.sampler.epoch, position.start)
+        finished = position.finished and position.served == position.generation - 1  # the plan replaced
+        if finished and not position.managed and distributed.rank() == 0:
+            logger.warning(
+                "epoch %d was re-planned from step %d, but the DataLoader had already read the whole old "
+                "plan (it reads ahead): only a new pass over it trains the re-planned steps. "
+                "OOMFallback.iterate(train_dataloader) starts one; a loop over the DataLoader itself must "
+                "start one now (for batch in train_dataloader: ...), or those samples are not trained",
+                self.sampler.epoch,
+                position.start,
+            )
+
+    def unfed(self) -> Exception | None:
+        """Outside ``iterate``, after a re-plan: the error to raise for a batch that is not the new plan's."""
+        position = self.sampler.position
+        if not self.restart_pending or position.managed:
+            return None
+        generation, epoch, step = self._replanned
+        if position.served == generation:  # a pass over the new plan gave it: a new one, or the old one
+            self.restart_pending = False
+            return None
+        return RuntimeError(
+            f"epoch {epoch} was re-planned from step {step} after running out of memory (halve mode), "
+            f"but this batch is not from the new plan: the DataLoader read it ahead of the re-plan (or "
+            f"this is another epoch), and training on would repeat some samples and never train others; "
+            f"iterate with `for batch in fallback.iterate(train_dataloader)`, which starts the DataLoader "
+            f"afresh after a re-plan (or, in a loop of your own, start a new pass over the DataLoader "
+            f"when backward() returns None)"
+        )
 
     def iterate(self, dataloader: Iterable[T]) -> Iterator[T]:
         """The batches of ``dataloader`` for this epoch; after a re-plan, a fresh iterator resumes."""
@@ -137,13 +186,20 @@ class EpochCursor:
             batches.close()
 
     def _check_feeds(self, dataloader: object) -> None:
-        """Refuse a DataLoader that the sampler does not feed (re-plans would not reach it)."""
+        """Refuse a DataLoader that the sampler does not feed (re-plans would not reach it).
+
+        Also one that reads the global plan as it is on several processes:
+        every rank would train every sample.
+        """
         source: Any = dataloader
         seen: list[str] = []
         while getattr(source, "batch_sampler", None) is not None and len(seen) < 4:
             source = source.batch_sampler  # DataLoader -> accelerate's BatchSamplerShard -> ...
             seen.append(type(source).__name__)
             if source is self.sampler:
+                world = distributed.world_size()
+                if len(seen) == 1 and self.sampler.rank is None and world > 1:
+                    raise unsharded_error(world)
                 return
         if seen:
             raise ValueError(

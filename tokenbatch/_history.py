@@ -107,6 +107,8 @@ class Planner:
     batch_size_multiple: int
     drop_last: bool
     oversize: str
+    admitted: float | None = None
+    """The budget ``oversize`` is judged against: under a lower one, a sample within it goes alone."""
 
     def plan(self, epoch: int, history: History, world: int, *, names: Sequence[str] | None = None) -> Plan:
         """The plan of ``epoch`` after ``history``, on ``world`` ranks where the history does not say.
@@ -157,6 +159,7 @@ class Planner:
             batch_size_multiple=self.batch_size_multiple,
             drop_last=self.drop_last,
             oversize=self.oversize,
+            admitted=self.admitted,
         )
         if len(plan.skipped):
             logger.warning(

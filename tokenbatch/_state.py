@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -64,17 +64,24 @@ class EpochPosition:
     """Steps trained in this epoch, as the training loop counts them."""
     generation: int = 0
     """Bumped whenever the plan changes under a running pass (re-plan, new epoch, resume)."""
+    served: int = -1
+    """The generation of the plan the latest pass over the sampler started on, or carried on with."""
+    finished: bool = False
+    """That pass reached the end of its plan."""
+    managed: bool = False
+    """A re-plan-aware iterator (``EpochBatches``) draws the epoch: it starts a new pass after a re-plan."""
 
     def move_to(self, step: int) -> None:
         """The plan changed: the next pass starts at ``step``, and every step before it was trained."""
         self.start = self.handed_out = self.trained = step
         self.generation += 1
 
-    def walk(self, plan: Plan, rank: int | None) -> Iterator[list[int]]:
+    def walk(self, plan: Plan, rank: int | None) -> Generator[list[int], None, int | None]:
         """One pass over ``plan`` from ``start``: ``rank``'s batch of each step, or every rank's (None).
 
         The cursor moves as batches go out; the pass stops when the plan
-        changes under it (a re-plan, a new epoch, a resume).
+        changes under it (a re-plan, a new epoch, a resume), and returns the
+        step of the batch it gave last (None: it reached the end of the plan).
 
         Raises:
             ValueError: the pass would cover steps planned for another number
@@ -89,19 +96,24 @@ class EpochPosition:
             )
         # A pass starts where the cursor says: every step before it has been trained.
         self.handed_out = self.trained = start
+        self.served, self.finished = generation, False
         slots = [rank] if rank is not None else range(world)
+        out = start  # the step of the batch last yielded
         for step in range(start, plan.num_steps):
             for slot in slots:
                 if self.generation != generation:
-                    return  # the plan changed: stop this pass, and leave the new plan's position alone
+                    return out  # the plan changed: stop this pass, and leave the new plan's position alone
                 if slot == slots[-1]:
                     # Counted as the step's last batch goes out, not when the next one is asked for:
                     # a DataLoader without workers asks only when it needs it, so k batches taken
                     # are k steps handed out (in the global plan, a step is every rank's batch).
                     self.handed_out = step + 1
+                out = step
                 yield plan.batch(plan.step_start(step) + slot).tolist()
-        if self.generation == generation:
-            self.start = 0
+        if self.generation != generation:
+            return out  # changed while the last batch was out
+        self.start, self.finished = 0, True
+        return None
 
 
 @dataclass(frozen=True)

@@ -205,6 +205,7 @@ def plan_batches(
     batch_size_multiple: int = 1,
     drop_last: bool = False,
     oversize: str = "error",
+    admitted: float | None = None,
 ) -> Plan:
     """Plan batches for the samples ``indices`` under ``budget``.
 
@@ -221,10 +222,14 @@ def plan_batches(
             the batch count is not a multiple of ``num_replicas``.
         oversize: ``"error"``, ``"skip"`` or ``"alone"`` for a sample that
             alone costs more than ``budget``.
+        admitted: a sample that costs more than ``budget`` but at most
+            ``admitted`` gets a batch of its own, whatever ``oversize`` says:
+            the budget it was admitted under, since lowered (a re-plan after
+            out-of-memory), has not shown that it does not fit alone.
 
     Raises:
-        OversizeSampleError: a sample alone exceeds the budget with
-            ``oversize="error"``.
+        OversizeSampleError: a sample alone exceeds the budget (and ``admitted``)
+            with ``oversize="error"``.
         ValueError: too few samples to give every rank the same number of
             batches and ``drop_last`` is False.
 
@@ -241,12 +246,15 @@ def plan_batches(
     alone = np.empty(0, np.int64)
     if too_big.any():
         worst = indices[too_big]
-        if oversize == "error":
+        if admitted is not None:
+            fits = unit[worst] <= admitted
+            alone, worst = worst[fits], worst[~fits]
+        if len(worst) and oversize == "error":
             raise oversize_error(worst, keys, unit, budget)
         if oversize == "skip":
             skipped = worst
         else:
-            alone = worst
+            alone = np.concatenate([alone, worst])
         indices = indices[~too_big]
 
     if rng is None:

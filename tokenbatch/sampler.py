@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import functools
 import logging
+import sys
 from collections.abc import Iterator, Sequence
+from types import FrameType
 from typing import Any
 
 import numpy as np
@@ -18,6 +20,26 @@ from tokenbatch.plan import OVERSIZE_POLICIES, Plan
 from tokenbatch.stats import PlanStats, batch_stats
 
 logger = logging.getLogger(__name__)
+
+
+def unsharded_error(world: int) -> ValueError:
+    """The error for the global plan read as it is by a DataLoader on each of ``world`` processes."""
+    return ValueError(
+        f"rank should be this process's rank when a DataLoader reads the sampler itself on {world} "
+        f"processes (plain DDP), but got rank=None: the sampler then yields the global plan, every "
+        f"rank's batches, and every rank would train every sample; pass "
+        f"rank=torch.distributed.get_rank(), or let accelerator.prepare(dataloader) share the plan out"
+    )
+
+
+def _read_by_a_dataloader(frame: FrameType | None) -> bool:
+    """``frame`` is a torch DataLoader iterator's, asking for the next batch: nothing shares the plan out.
+
+    accelerate's ``BatchSamplerShard``, which does, reads the sampler from its own frame.
+    """
+    from torch.utils.data.dataloader import _BaseDataLoaderIter
+
+    return frame is not None and isinstance(frame.f_locals.get("self"), _BaseDataLoaderIter)
 
 
 class TokenBudgetBatchSampler(Sampler[list[int]]):
@@ -35,7 +57,8 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
     with a batch count that is a multiple of the world size: exactly what
     ``accelerator.prepare``'s ``BatchSamplerShard`` expects, which keeps
     batches ``rank, rank + W, ...`` on each rank. With an explicit ``rank``
-    it yields only that rank's batches, for plain DDP loops.
+    it yields only that rank's batches, for plain DDP loops; a DataLoader that
+    reads the global plan itself on several processes is refused.
 
     Args:
         lengths: the padded length of every example, as the collator will pad
@@ -53,7 +76,10 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
             drop the cheapest batches instead of splitting the largest.
         oversize: a sample that alone exceeds the budget raises (``"error"``),
             is left out and counted (``"skip"``), or gets a batch of its own
-            (``"alone"``).
+            (``"alone"``). This is judged against ``max_tokens`` as given here:
+            after the budget is lowered (:meth:`replan`, ``OOMFallback``), a
+            sample that fitted it but not the new budget gets a batch of its
+            own; only running out of memory alone shows that it does not fit.
         num_replicas: the world size; defaults to ``torch.distributed``'s, or
             ``$WORLD_SIZE``, read when the plan is made.
         rank: yield only this rank's batches (plain DDP); None yields the
@@ -108,6 +134,7 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
         self._keys = np.asarray(self.cost.padded_length(self.lengths), dtype=np.int64)
         self._unit = per_sample_costs(self.cost, self._keys)
         self._max_tokens = _checks.positive_number("max_tokens", max_tokens)
+        self._admitted = self._max_tokens  # oversize is judged against the budget given here
         check_oversize(self._keys, self._unit, self._max_tokens, self.oversize)
         self._position = EpochPosition()
         # How this epoch's plan came about (_history): first budget and ranks (None: read when planned).
@@ -181,7 +208,7 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
         check_rank(self.rank, world)
         planner = Planner(
             self._keys, self._unit, self.shuffle, self.seed, self.max_batch_size,
-            self.batch_size_multiple, self.drop_last, self.oversize,
+            self.batch_size_multiple, self.drop_last, self.oversize, self._admitted,
         )  # fmt: skip
         return planner.plan(epoch, history, world, names=names)
 
@@ -201,7 +228,26 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
         return plan.num_steps - start if self.rank is not None else plan.num_batches - plan.step_start(start)
 
     def __iter__(self) -> Iterator[list[int]]:
-        yield from self._position.walk(self.plan, self.rank)  # the plan as it is at the first batch
+        world = distributed.world_size()
+        if self.rank is None and world > 1 and _read_by_a_dataloader(sys._getframe(1)):
+            raise unsharded_error(world)
+        epoch, history = self.epoch, self._history
+        stopped = yield from self._position.walk(self.plan, self.rank)  # the plan as it is at the first batch
+        if stopped is not None and self._replanned_since(epoch, history) and self._position.start >= stopped:
+            # Re-planned from the step this pass is at, or later: of what it handed out only that step
+            # is re-planned, and its batch was dropped (a loop over a DataLoader without workers), so
+            # it carries on with the new plan. A pass that read further ahead stops: a new one starts.
+            yield from self.__iter__()
+
+    def _replanned_since(self, epoch: int, history: History) -> bool:
+        """The epoch's plan is ``history``'s with more re-plans: no new epoch or resume since."""
+        now = self._history
+        return (
+            self.epoch == epoch
+            and (now.max_tokens, now.num_replicas) == (history.max_tokens, history.num_replicas)
+            and now.replans[: len(history.replans)] == history.replans
+            and len(now.replans) > len(history.replans)
+        )
 
     def set_epoch(self, epoch: int) -> None:
         """Start epoch ``epoch`` (a new plan); the current epoch again is a no-op.
@@ -223,13 +269,18 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
 
         The first ``steps_done`` global steps stay as they were (trained);
         everything after them, fetched or not, is planned again under the new
-        budget. The next iteration starts at step ``steps_done``, later epochs
-        keep the new budget, and a running iterator stops.
+        budget. The next iteration starts at step ``steps_done``, and later
+        epochs keep the new budget. A running iterator carries on with the new
+        plan if it has handed out nothing after step ``steps_done`` (a DataLoader
+        without workers, read one batch at a time); one that read further stops.
+
+        A remaining sample that alone exceeds the new budget gets a batch of
+        its own (see ``oversize``).
 
         Raises:
-            OversizeSampleError: a remaining sample alone exceeds the new budget
-                (``oversize="error"``); the sampler is left unchanged.
-            ValueError: ``steps_done`` is beyond the plan, or before the last re-plan.
+            ValueError: ``steps_done`` is beyond the plan, or before the last
+                re-plan, or too few samples remain to give every rank a batch
+                (see ``drop_last``); the sampler is left unchanged.
         """
         max_tokens = _checks.positive_number("max_tokens", max_tokens)
         steps_done = _checks.non_negative_int("steps_done", steps_done)

@@ -32,7 +32,7 @@ class PlanStats:
     mean_budget_use: float
     """Mean batch cost / budget."""
     max_budget_use: float
-    """Costliest batch / budget (above 1 only for ``oversize="alone"`` batches)."""
+    """Costliest batch / budget (above 1 only for a batch of one: ``oversize="alone"``, a lowered budget)."""
     mean_batch_size: float
     max_batch_size: int
     num_skipped: int

@@ -6,6 +6,10 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from tokenbatch import _checks
+
+WHERE = ("forward", "backward")
+
 
 class SampleTooLargeError(RuntimeError):
     """Out of memory with nothing smaller left to try: one sample alone, or the budget at ``min_tokens``.
@@ -87,8 +91,36 @@ class OOMEvent:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> OOMEvent:
-        values = dict(data)
-        values["ranks"] = tuple(values["ranks"])
-        values["where"] = tuple(values["where"])
-        return cls(**values)
+    def from_dict(cls, data: Any, *, name: str = "event") -> OOMEvent:
+        """The event :meth:`as_dict` gave (also after JSON or ``torch.save``), every field checked.
+
+        Raises:
+            TypeError, ValueError: a key is missing or unknown, or a field is
+                wrong; the message names it, as ``name['field']``.
+        """
+        keys = [f.name for f in dataclasses.fields(cls)]
+        if not isinstance(data, dict) or set(data) != set(keys):
+            raise ValueError(
+                f"{name} should be an OOMEvent.as_dict(), with keys {keys}, but got {name}={data!r:.200}"
+            )
+        field = {key: f"{name}[{key!r}]" for key in keys}
+        ranks, where = data["ranks"], data["where"]
+        if not isinstance(ranks, list | tuple) or not ranks:
+            raise ValueError(f"{field['ranks']} should be a non-empty list of ranks, but got {ranks!r:.100}")
+        if not isinstance(where, list | tuple) or len(where) != len(ranks):
+            raise ValueError(
+                f"{field['where']} should hold 'forward' or 'backward' for each of the {len(ranks)} "
+                f"rank(s), but got {field['where']}={where!r:.100}"
+            )
+        number, count = _checks.positive_number, _checks.non_negative_int
+        return cls(
+            epoch=count(field["epoch"], data["epoch"]),
+            step=count(field["step"], data["step"]),
+            mode=_checks.one_of(field["mode"], data["mode"], ("split", "halve")),
+            old_max_tokens=number(field["old_max_tokens"], data["old_max_tokens"]),
+            new_max_tokens=number(field["new_max_tokens"], data["new_max_tokens"]),
+            longest=count(field["longest"], data["longest"]),
+            ranks=tuple(count(f"{field['ranks']}[{i}]", r) for i, r in enumerate(ranks)),
+            where=tuple(_checks.one_of(f"{field['where']}[{i}]", w, WHERE) for i, w in enumerate(where)),
+            attempt=count(field["attempt"], data["attempt"]),
+        )

@@ -15,11 +15,10 @@ from tokenbatch.oom._accumulate import KeptGradients
 from tokenbatch.oom._attempt import ForwardBackward, StepWork
 from tokenbatch.oom._detect import free_memory
 from tokenbatch.oom._eval import EvalGuard
-from tokenbatch.oom._events import OOMEvent, SampleTooLargeError
+from tokenbatch.oom._events import OOMEvent
 from tokenbatch.oom._optimizer import guarded_step
 from tokenbatch.oom._outcome import Outcome, next_event, raise_on_every_rank, share
 from tokenbatch.oom._strategies import Strategy, as_strategy, moved_option
-from tokenbatch.plan import OversizeSampleError
 from tokenbatch.sampler import TokenBudgetBatchSampler
 
 logger = logging.getLogger("tokenbatch.oom")
@@ -56,8 +55,9 @@ class OOMFallback:
     step runs into fresh gradients and adds the group's earlier ones on
     success, so a failed or dropped step loses only its own (this costs one
     gradient-sized buffer while earlier gradients exist). Split mode matches
-    an unsplit run up to floating point when the model is deterministic (no
-    dropout); with dropout, micro-batches draw different masks.
+    an unsplit run up to floating point when each sample's loss does not
+    depend on how the batch is cut (see :class:`~tokenbatch.oom.Split`); with
+    dropout it does not, as micro-batches draw other masks.
 
     To start from the budget an earlier run ended with, and remember each
     new one, see :func:`tokenbatch.remember_budget`.
@@ -162,18 +162,33 @@ class OOMFallback:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume the micro-batch budget (split mode) and the event history from :meth:`state_dict`."""
+        """Resume the micro-batch budget (split mode) and the event history from :meth:`state_dict`.
+
+        Every field is checked before anything changes: on an error the fallback is as it was.
+
+        Raises:
+            TypeError, ValueError: the state is not this mode's ``state_dict()``, or a field
+                is wrong; the message names it.
+        """
         expected = {"version", "mode", "max_tokens", "events"}
         if not isinstance(state, dict) or set(state) != expected or state["version"] != 1:
             raise ValueError(
                 f"state should be an OOMFallback.state_dict() (version 1, keys {sorted(expected)}), "
                 f"but got {state!r:.200}"
             )
-        if self._strategy.keeps_step:
-            self._micro_tokens = min(
-                self.sampler.max_tokens, _checks.positive_number("max_tokens", state["max_tokens"])
+        if state["mode"] != self.mode:  # a halve-mode budget is the sampler's, not a micro-batch one
+            raise ValueError(
+                f"state['mode'] should be {self.mode!r}, this fallback's mode, but got "
+                f"state['mode']={state['mode']!r}; resume with OOMFallback(..., mode={state['mode']!r})"
             )
-        self.events = [OOMEvent.from_dict(e) for e in state["events"]]
+        max_tokens = _checks.positive_number("state['max_tokens']", state["max_tokens"])
+        saved = state["events"]
+        if not isinstance(saved, list | tuple):
+            raise TypeError(f"state['events'] should be a list, but got state['events']={saved!r:.100}")
+        events = [OOMEvent.from_dict(e, name=f"state['events'][{i}]") for i, e in enumerate(saved)]
+        if self._strategy.keeps_step:
+            self._micro_tokens = min(self.sampler.max_tokens, max_tokens)
+        self.events = events
 
     def start_from(self, max_tokens: float) -> bool:
         """Lower the budget in force to ``max_tokens`` before training (a budget known to fit).
@@ -183,10 +198,6 @@ class OOMFallback:
 
         Returns:
             False, changing nothing, when the budget in force is already at most ``max_tokens``.
-
-        Raises:
-            OversizeSampleError: halve mode, and a remaining sample alone exceeds
-                ``max_tokens``; nothing is changed.
         """
         max_tokens = _checks.positive_number("max_tokens", max_tokens)
         if max_tokens >= self.max_tokens:
@@ -212,8 +223,9 @@ class OOMFallback:
         """
         result = self.eval_guard.evaluate(batch, fn)
         budget = self.eval_guard.max_tokens
-        if lower_training and budget is not None and self.start_from(budget):
-            self._cursor.restart_pending = not self._strategy.keeps_step  # halve: iterate() resumes afresh
+        lowered = lower_training and budget is not None and self.start_from(budget)
+        if lowered and not self._strategy.keeps_step:
+            self._cursor.replanned()  # halve: iterate() resumes afresh
         return result
 
     # -- the loop ------------------------------------------------------------------
@@ -235,7 +247,8 @@ class OOMFallback:
         resumes at the first step not yet trained.
 
         Raises:
-            ValueError: ``dataloader`` does not draw its batches from the sampler.
+            ValueError: ``dataloader`` does not draw its batches from the sampler,
+                or reads its global plan (``rank=None``) itself on several processes.
         """
         return self._cursor.iterate(dataloader)
 
@@ -254,17 +267,23 @@ class OOMFallback:
             SampleTooLargeError: even one sample does not fit, or the budget is at ``min_tokens``.
             RankFailedError: another rank raised an error that is not out-of-memory
                 (that rank re-raises its own error unchanged).
+            RuntimeError: halve mode, in a loop over the DataLoader itself: the
+                batch is from a plan a re-plan replaced (the DataLoader read it
+                ahead); :meth:`iterate` starts the DataLoader afresh instead.
         """
         step = self._cursor.current_step()
         passes = self._passes
         params = passes.params()
+        unfed = self._cursor.unfed()  # a batch of the plan a re-plan replaced: refused on every rank
         # Accumulation: the step runs into fresh gradients; the group's earlier ones survive a failure.
         with passes.ddp.step(self.accelerator) as sync, KeptGradients(params) as kept:
             work = StepWork(batch)
             attempt = 0
             while True:
                 outcome, error = Outcome(), None
-                if work.loss is None:
+                if unfed is not None:
+                    outcome, error = Outcome("error"), unfed
+                elif work.loss is None:
                     micro = self._strategy.split_budget(self._micro_tokens, self.sampler.max_tokens)
                     outcome, error = passes.attempt(
                         work, loss_fn, params, micro_tokens=micro, sync=sync, kept=kept
@@ -319,15 +338,7 @@ class OOMFallback:
             self.sampler.replan(max_tokens, steps_done=steps_done)
 
     def _replan(self, event: OOMEvent) -> None:
-        try:
-            self._lower(event.new_max_tokens, steps_done=event.step)
-        except OversizeSampleError as error:
-            raise SampleTooLargeError(
-                f"out of memory at epoch {event.epoch}, step {event.step}; the rest of the epoch cannot "
-                f"be re-planned under max_tokens={event.new_max_tokens:g}: {error}",
-                length=event.longest,
-                max_tokens=event.new_max_tokens,
-                step=event.step,
-                rank=event.ranks[0],
-            ) from error
-        self._cursor.restart_pending = True
+        # A sample over the new budget gets a batch of its own (the sampler admitted it): only when
+        # it runs out of memory alone does next_event raise SampleTooLargeError, with its length.
+        self._lower(event.new_max_tokens, steps_done=event.step)
+        self._cursor.replanned()

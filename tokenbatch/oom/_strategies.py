@@ -49,6 +49,14 @@ class Split(Strategy):
     accumulated over the micro-batches, weighted so that they add up to the
     whole batch's. Retries shrink the micro-batch budget until one fits.
 
+    The gradients, and so the run, then match the unsplit batch's up to
+    floating point when each sample's loss does not depend on how the batch
+    is cut: no dropout or other randomness drawn per forward pass (each
+    micro-batch draws its own masks), no layer that mixes the samples of a
+    batch (BatchNorm in training mode, in-batch negatives), padding masked
+    out (``trim_padding`` changes only the padding), and ``weight`` saying
+    what the loss averages over.
+
     Args:
         weight: the micro-batch loss weights: ``"samples"`` (for a loss
             averaged over samples), ``"tokens"`` (averaged over real tokens),
