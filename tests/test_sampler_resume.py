@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
@@ -49,7 +49,11 @@ def test_every_rank_resumes_from_the_state_one_rank_saved(
     case: Case, world: int, data: st.DataObject
 ) -> None:
     reference = case.sampler(num_replicas=world)
-    batches = list(reference)
+    try:
+        batches = list(reference)
+    except ValueError as error:  # too few samples for `world` equal shares: refused, not a resume
+        assume("the same number of batches" not in str(error))
+        raise
     steps = len(batches) // world
     done = data.draw(st.integers(0, steps))
     saver = data.draw(st.sampled_from([None, *range(world)]))  # "rank 0 saves", or the global sampler
