@@ -143,6 +143,15 @@ class EpochCursor:
         while getattr(source, "batch_sampler", None) is not None and len(seen) < 4:
             source = source.batch_sampler  # DataLoader -> accelerate's BatchSamplerShard -> ...
             seen.append(type(source).__name__)
+            skip = getattr(source, "skip_batches", 0)
+            if isinstance(skip, int) and skip > 0:
+                # accelerate's skip_first_batches: the steps would be numbered from the wrong one.
+                raise ValueError(
+                    f"dataloader should not skip batches under OOMFallback, but it comes from "
+                    f"skip_first_batches(..., {skip}): the sampler resumes by itself at the first step "
+                    f"not yet trained. Register the sampler for checkpointing (or use its state_dict) and "
+                    f"iterate the prepared DataLoader itself after accelerator.load_state"
+                )
             if source is self.sampler:
                 return
         if seen:

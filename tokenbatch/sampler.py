@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import functools
 import logging
+import sys
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
 from torch.utils.data import Sampler
 
-from tokenbatch import _checks, _state, distributed
+from tokenbatch import _checks, _reader, _state, distributed
 from tokenbatch._history import History, Planner, Replan, check_oversize, check_rank, per_sample_costs
 from tokenbatch._state import EpochPosition
 from tokenbatch.cost import CostModel
@@ -201,7 +202,15 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
         return plan.num_steps - start if self.rank is not None else plan.num_batches - plan.step_start(start)
 
     def __iter__(self) -> Iterator[list[int]]:
-        yield from self._position.walk(self.plan, self.rank)  # the plan as it is at the first batch
+        # Not a generator: the look at who iterates (once per pass, _reader) must happen when the
+        # DataLoader iterator is made, on every rank, also where only one rank will ask for batches.
+        reader = _reader.find(sys._getframe(1), self)
+        if reader is not None:
+            reader.refuse_second_skip(self.epoch, self._position.start)
+        return self._pass(reader)
+
+    def _pass(self, reader: _reader.Reader | None) -> Iterator[list[int]]:
+        yield from self._position.walk(self.plan, self.rank, reader)  # the plan as it is at the first batch
 
     def set_epoch(self, epoch: int) -> None:
         """Start epoch ``epoch`` (a new plan); the current epoch again is a no-op.
@@ -251,19 +260,24 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
         """Everything needed to resume this epoch at the same sample with the same budget, on any rank.
 
         Args:
-            steps_done: steps trained so far in this epoch, exact where the loop
-                counts them (``OOMFallback.steps_done``, ``sampler.position.trained``).
-                The default, the steps handed out (a step counts once its last
-                batch is yielded: every rank's, in the global plan), is exact
-                for a ``DataLoader`` without workers. A prefetching one runs
-                ahead of training (``num_workers > 0`` by ``prefetch_factor *
-                num_workers`` batches; accelerate's prepared DataLoader by one):
-                then pass ``steps_done``, or the steps read ahead are skipped.
+            steps_done: steps trained so far in this epoch. The default is exact
+                for the usual loops, ``accelerator.save_state`` included (it
+                calls ``state_dict()`` with no argument): where a training loop
+                marks the steps trained (``OOMFallback.iterate``, the Trainer),
+                ``position.trained``; else, where a ``DataLoader`` reads the
+                sampler (prepared by accelerate or not, with workers or not),
+                every batch the loop has received counts as trained, not those
+                read ahead; else the steps handed out. Save after the step's
+                update. A loop that reads batches ahead itself (a prefetcher of
+                its own) sets ``sampler.position.trained = steps`` as it trains,
+                or passes ``steps_done``. (torchdata's ``StatefulDataLoader``,
+                which checkpoints the sampler itself, gets the steps handed out:
+                it accounts for what it read ahead.)
 
         Raises:
             ValueError: ``steps_done`` is beyond this epoch's plan, or before its last re-plan.
         """
-        done = self._position.handed_out
+        done = self._position.steps_done()
         if steps_done is not None:
             done = _checks.non_negative_int("steps_done", steps_done)
             self._history.check_steps_done(done, self.plan)

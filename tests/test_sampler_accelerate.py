@@ -1,0 +1,161 @@
+"""The sampler where users put it: accelerate's checkpoints and options, DataLoaders with workers.
+
+save_state / load_state mid-epoch run for real on one process and on two
+(accelerate launch, gloo on CPU), with 0 and 2 DataLoader workers, with and
+without OOMFallback; the rest runs in this process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from accelerate import Accelerator, DataLoaderConfiguration
+from accelerate.data_loader import DataLoaderShard, skip_first_batches
+from torch.utils.data import DataLoader
+
+from tokenbatch import OOMFallback, TokenBudgetBatchSampler
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "tests" / "scripts" / "accelerate_checkpoint.py"
+LENGTHS = np.random.default_rng(0).integers(4, 60, size=300)
+INDICES = list(range(len(LENGTHS)))
+
+
+def loader(sampler: TokenBudgetBatchSampler, kind: str, workers: int = 0) -> Any:
+    """A DataLoader over the sampler: torch's own, or accelerate's one-process DataLoaderShard."""
+    make = DataLoaderShard if kind == "accelerate" else DataLoader
+    return make(INDICES, batch_sampler=sampler, collate_fn=list, num_workers=workers)
+
+
+# -- the default state counts what training got (issue 15 item 1) ---------------------------
+
+
+@pytest.mark.parametrize("kind", ["torch", "accelerate"])
+@pytest.mark.parametrize("workers", [0, 2])
+def test_default_state_counts_the_batches_the_loop_received_not_those_read_ahead(
+    kind: str, workers: int
+) -> None:
+    sampler = TokenBudgetBatchSampler(LENGTHS, 256, seed=1)
+    trained: list[int] = []
+    for step, batch in enumerate(loader(sampler, kind, workers)):
+        trained += batch
+        assert sampler.state_dict()["steps_done"] == step + 1  # what accelerator.save_state calls
+        if step + 1 == 3:
+            break
+    assert sampler.position.handed_out > 3 or (kind, workers) == ("torch", 0)  # read ahead
+    state = sampler.state_dict()  # and once the loop is left
+    assert state["steps_done"] == 3
+    resumed = TokenBudgetBatchSampler(LENGTHS, 256, seed=1)
+    resumed.load_state_dict(state)
+    rest = [i for batch in loader(resumed, kind, workers) for i in batch]
+    assert sorted(trained + rest) == INDICES  # every sample exactly once
+
+
+def test_the_default_state_at_the_end_of_an_epoch_is_the_whole_epoch() -> None:
+    sampler = TokenBudgetBatchSampler(LENGTHS, 256, seed=1)
+    for _ in loader(sampler, "accelerate", workers=2):
+        pass
+    assert sampler.state_dict()["steps_done"] == sampler.plan.num_steps
+
+
+def test_skip_first_batches_without_a_loaded_state_counts_the_skipped_steps_as_trained() -> None:
+    sampler = TokenBudgetBatchSampler(LENGTHS, 256, seed=1)
+    for step, _ in enumerate(skip_first_batches(loader(sampler, "accelerate"), 4)):
+        if step + 1 == 2:
+            break
+    assert sampler.state_dict()["steps_done"] == 6  # 4 trained before the restart, 2 since
+
+
+def test_skip_first_batches_after_the_sampler_resumed_is_refused() -> None:
+    source = TokenBudgetBatchSampler(LENGTHS, 256, seed=1)
+    sampler = TokenBudgetBatchSampler(LENGTHS, 256, seed=1)
+    sampler.load_state_dict(source.state_dict(steps_done=4))
+    skipping = skip_first_batches(loader(sampler, "accelerate"), 4)
+    with pytest.raises(ValueError, match=r"skip_first_batches should not be used after the sampler's state"):
+        next(iter(skipping))
+    with pytest.raises(ValueError, match=r"should not skip batches under OOMFallback"):
+        next(iter(OOMFallback(sampler, torch.nn.Linear(2, 2)).iterate(skipping)))
+    assert [i for batch in loader(sampler, "accelerate") for i in batch]  # the DataLoader itself resumes
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_use_stateful_dataloader_still_resumes_every_sample_once(workers: int, tmp_path: Path) -> None:
+    """torchdata's StatefulDataLoader asks the sampler for its own position, and skips what it read ahead."""
+
+    def run(resume: bool) -> list[int]:
+        config = DataLoaderConfiguration(use_stateful_dataloader=True)
+        accelerator = Accelerator(cpu=True, dataloader_config=config)
+        sampler = TokenBudgetBatchSampler(LENGTHS, 256, seed=1)
+        prepared = accelerator.prepare(loader(sampler, "torch", workers))
+        accelerator.register_for_checkpointing(sampler)
+        if resume:
+            accelerator.load_state(str(tmp_path))
+        trained: list[int] = []
+        for step, batch in enumerate(prepared):
+            trained += batch
+            if not resume and step + 1 == 3:
+                accelerator.save_state(str(tmp_path))
+                break
+        return trained
+
+    assert sorted(run(False) + run(True)) == INDICES
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("processes", [1, 2])
+def test_accelerate_save_state_and_load_state_mid_epoch_train_every_sample_once(
+    processes: int, tmp_path: Path
+) -> None:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
+    env.update(ACCELERATE_USE_CPU="1", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    command = [sys.executable, str(SCRIPT), str(tmp_path)]
+    if processes == 2:
+        command[1:1] = [
+            "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines",
+            "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "0",
+        ]  # fmt: skip
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(processes)]
+    everything = list(range(len(_script_lengths())))
+    for name in (
+        "workers=0,guard=False",
+        "workers=0,guard=True",
+        "workers=2,guard=False",
+        "workers=2,guard=True",
+    ):
+        runs = [report["resume"][name] for report in ranks]
+        epoch0 = sorted(i for run in runs for i in run["before"] + run["rest"])
+        assert epoch0 == everything, name  # exactly once over both runs and every rank
+        assert sorted(i for run in runs for i in run["epoch1"]) == everything, name
+        assert all(run["start"] == 4 for run in runs), name  # the 4 steps trained, not those read ahead
+        assert runs[0]["replans"] == (1 if "guard=True" in name else 0)  # the guard's re-plan was saved
+    for report in ranks:
+        _check_options(report["options"], processes)
+    if processes == 1:  # the DataLoader's state wins over the sampler's: every sample once
+        assert ranks[0]["options"]["stateful"] is None
+        assert sorted(ranks[0]["options"]["stateful_ids"]) == everything
+
+
+def _script_lengths() -> list[int]:
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        from accelerate_checkpoint import LENGTHS as lengths
+    finally:
+        sys.path.pop(0)
+    return list(lengths)
+
+
+def _check_options(options: dict[str, Any], processes: int) -> None:
+    assert options["skip"].startswith("ValueError: skip_first_batches should not be used after the sampler")
+    if processes == 2:  # a wrapped sampler is resumed by skipping: on top of its own state, refused
+        assert options["stateful"].startswith("ValueError: the sampler should not be registered for")

@@ -1,0 +1,142 @@
+"""Who reads the sampler: the DataLoader pass, found once per pass in the calling frames.
+
+The sampler sees only the batches of indices a DataLoader asks for, and a
+DataLoader asks ahead of training: worker processes ``prefetch_factor *
+num_workers`` batches ahead, accelerate's ``DataLoaderShard`` one more (it
+looks a batch ahead to know which one is the last). What the training loop
+has received is counted by the DataLoader iterator itself (``_num_yielded``,
+which torch and torchdata keep for their own checkpoints). So when a pass
+starts, the sampler looks up the stack once, through the DataLoader machinery
+only (frames of ``torch.utils.data``, ``torchdata`` and ``accelerate``; it
+stops at the first other frame, so a user's frames are never read), and keeps
+weak references to what it finds: a checkpoint taken mid-epoch by
+``accelerator.save_state`` then records the steps the loop has received, not
+the steps read ahead (:meth:`Reader.steps_taken`).
+
+The same look refuses the set-ups that cannot work, with a message that says
+what to do, where they would otherwise fail deep inside torch or accelerate,
+or lose samples without a word.
+"""
+
+from __future__ import annotations
+
+import sys
+import weakref
+from dataclasses import dataclass
+from types import FrameType
+from typing import Any
+
+from torch.utils.data.dataloader import _BaseDataLoaderIter
+
+_MACHINERY = ("torch.utils.data", "torchdata", "accelerate")
+_MAX_FRAMES = 24  # the deepest path (workers, accelerate's shard and skip) is about 12
+
+
+@dataclass
+class Reader:
+    """The DataLoader iterator a pass feeds, and what stands between it and the training loop."""
+
+    iterator: weakref.ref[Any]
+    """torch's (or torchdata's) DataLoader iterator: ``_num_yielded`` batches given out."""
+    shard: weakref.ref[Any] | None
+    """accelerate's ``DataLoaderShard``, which holds one batch back until it has the next."""
+    skipped: int
+    """Batches accelerate's ``skip_first_batches`` drops before the loop sees them (trained before)."""
+    own_state: bool = False
+    """torchdata's ``StatefulDataLoader``: it checkpoints the sampler itself, asking ``state_dict()``
+    for the steps handed out, and accounts for what it read ahead on its own."""
+    fast_forward: int = 0
+    """Batches a ``StatefulDataLoader`` skips to resume its own state, where the sampler is wrapped
+    (in accelerate's ``BatchSamplerShard``) and cannot be asked to resume itself."""
+    start: int = 0
+    """The step the pass started at (set by :meth:`begin`, with the plan's ``generation``)."""
+    generation: int = -1
+    ahead: int = 0
+    """Batches the iterator asks for ahead of those it gave out: ``prefetch_factor * num_workers``."""
+    exhausted: bool = False
+    """The plan ran out: the DataLoader now gives out what it read ahead, and asks for nothing more."""
+
+    def begin(self, start: int, generation: int) -> None:
+        """The pass starts at ``start`` of the plan ``generation``; the iterator is fully made by now."""
+        self.start, self.generation = start, generation
+        iterator = self.iterator()
+        workers, factor = getattr(iterator, "_num_workers", 0), getattr(iterator, "_prefetch_factor", 0)
+        self.ahead = workers * factor if isinstance(workers, int) and isinstance(factor, int) else 0
+
+    def refuse_second_skip(self, epoch: int, start: int) -> None:
+        """Refuse skipping batches on top of a sampler that resumes at ``start`` by itself (lost steps)."""
+        if start and self.skipped:
+            raise ValueError(
+                f"skip_first_batches should not be used after the sampler's state was loaded: the "
+                f"sampler already resumes epoch {epoch} at step {start}, the first step not yet "
+                f"trained, and skipping {self.skipped} more batches would never train them. Iterate "
+                f"the prepared DataLoader itself after accelerator.load_state (or load_state_dict)"
+            )
+        if start and self.fast_forward:
+            raise ValueError(
+                f"the sampler should not be registered for checkpointing with use_stateful_dataloader="
+                f"True on several processes: the sampler's state resumes epoch {epoch} at step {start}, "
+                f"and the DataLoader's own state skips {self.fast_forward} more batches, which would "
+                f"never be trained. Leave register_for_checkpointing(sampler) out: the DataLoader's "
+                f"state resumes the sampler"
+            )
+
+    def steps_taken(self, generation: int, handed_out: int) -> int | None:
+        """The step the training loop has got to (every batch it received counts), or None if unknown.
+
+        ``handed_out``: the steps the sampler has yielded. None when the plan
+        changed since the pass began (``generation``), or when the DataLoader
+        iterator is gone after the plan ran out (the loop may have left
+        anywhere in the batches read ahead).
+        """
+        if generation != self.generation or self.own_state:
+            return None
+        shard = None if self.shard is None else self.shard()
+        # The shard fetches a batch before it gives out the one before: one held back, until its end.
+        held = 0 if self.shard is None or getattr(shard, "end_of_dataloader", False) else 1
+        yielded = getattr(self.iterator(), "_num_yielded", None)
+        if type(yielded) is int:
+            return self.start + self.skipped + yielded - min(held, yielded)
+        if self.exhausted:
+            return None
+        # The iterator is gone (the loop was left): until the plan runs out, a DataLoader asks for one
+        # batch for each it gives out, so it had asked for exactly `ahead` more than it gave.
+        return max(self.start, handed_out - self.ahead - held)
+
+
+def find(frame: FrameType | None, sampler: object) -> Reader | None:
+    """The DataLoader pass that ``frame`` (the caller of ``sampler.__iter__``) belongs to, if any."""
+    accelerate = sys.modules.get("accelerate.data_loader")
+    shard_type = getattr(accelerate, "DataLoaderShard", ())
+    skip_type = getattr(accelerate, "SkipBatchSampler", ())
+    iterator: Any = None
+    skipped, seen = 0, set()
+    for _ in range(_MAX_FRAMES):
+        if frame is None or not frame.f_globals.get("__name__", "").startswith(_MACHINERY):
+            break
+        owner = frame.f_locals.get("self")
+        frame = frame.f_back
+        if owner is None or id(owner) in seen:
+            continue
+        seen.add(id(owner))
+        if isinstance(owner, skip_type):
+            skipped += int(getattr(owner, "skip_batches", 0))
+        elif iterator is None and isinstance(owner, _BaseDataLoaderIter):
+            iterator = owner
+        elif isinstance(owner, shard_type):
+            if iterator is None:
+                break
+            return _reader(iterator, owner, skipped, sampler)
+    return None if iterator is None else _reader(iterator, None, skipped, sampler)
+
+
+def _reader(iterator: Any, shard: Any, skipped: int, sampler: object) -> Reader:
+    own_state = type(iterator).__module__.startswith("torchdata")
+    # A StatefulDataLoader resumes a sampler it cannot ask (not its own index sampler) by skipping
+    # the batches it had drawn: it has set that count already when the pass starts.
+    wrapped = own_state and getattr(iterator, "_index_sampler", None) is not sampler
+    forward = getattr(iterator, "_sampler_iter_yielded", 0) if wrapped else 0
+    return Reader(
+        weakref.ref(iterator), None if shard is None else weakref.ref(shard), skipped, own_state,
+        forward if isinstance(forward, int) else 0,
+    )  # fmt: skip
