@@ -156,6 +156,24 @@ def _script_lengths() -> list[int]:
 
 
 def _check_options(options: dict[str, Any], processes: int) -> None:
+    assert options["split"].startswith(
+        "ValueError: split_batches should be False for TokenBudgetBatchSampler"
+    )
+    assert "DataLoaderConfiguration(split_batches=False)" in options["split"]
+    assert options["dispatch"].startswith("ValueError: dispatch_batches should be False")
     assert options["skip"].startswith("ValueError: skip_first_batches should not be used after the sampler")
     if processes == 2:  # a wrapped sampler is resumed by skipping: on top of its own state, refused
         assert options["stateful"].startswith("ValueError: the sampler should not be registered for")
+
+
+# -- accelerate's batch-shape options (issue 15 item 3) ------------------------------------
+
+
+@pytest.mark.parametrize("option", ["split_batches", "dispatch_batches"])
+def test_accelerate_batch_shape_options_are_refused_with_the_fix(option: str) -> None:
+    accelerator = Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(**{option: True}))
+    sampler = TokenBudgetBatchSampler(LENGTHS, 256, seed=1)
+    message = rf"{option} should be False for TokenBudgetBatchSampler, but got {option}=True"
+    with pytest.raises(ValueError, match=message):
+        next(iter(accelerator.prepare(loader(sampler, "torch"))))
+    assert sampler.batch_size is None  # read anywhere else, it is what it was

@@ -105,9 +105,15 @@ class Reader:
 
 
 def find(frame: FrameType | None, sampler: object) -> Reader | None:
-    """The DataLoader pass that ``frame`` (the caller of ``sampler.__iter__``) belongs to, if any."""
+    """The DataLoader pass that ``frame`` (the caller of ``sampler.__iter__``) belongs to, if any.
+
+    Raises:
+        ValueError: accelerate's ``dispatch_batches=True``, which cannot deal out
+            batches of different sizes.
+    """
     accelerate = sys.modules.get("accelerate.data_loader")
     shard_type = getattr(accelerate, "DataLoaderShard", ())
+    dispatcher_type = getattr(accelerate, "DataLoaderDispatcher", ())
     skip_type = getattr(accelerate, "SkipBatchSampler", ())
     iterator: Any = None
     skipped, seen = 0, set()
@@ -119,6 +125,14 @@ def find(frame: FrameType | None, sampler: object) -> Reader | None:
         if owner is None or id(owner) in seen:
             continue
         seen.add(id(owner))
+        if isinstance(owner, dispatcher_type):
+            raise ValueError(
+                "dispatch_batches should be False for TokenBudgetBatchSampler, but got "
+                "dispatch_batches=True: accelerate would concatenate the processes' batches, which have "
+                "different sizes and lengths, and cut the result evenly. Leave it at its default for a "
+                "map-style dataset (Accelerator(dataloader_config=DataLoaderConfiguration("
+                "dispatch_batches=False))): the sampler plans one batch per process for each step"
+            )
         if isinstance(owner, skip_type):
             skipped += int(getattr(owner, "skip_batches", 0))
         elif iterator is None and isinstance(owner, _BaseDataLoaderIter):
@@ -140,3 +154,27 @@ def _reader(iterator: Any, shard: Any, skipped: int, sampler: object) -> Reader:
         weakref.ref(iterator), None if shard is None else weakref.ref(shard), skipped, own_state,
         forward if isinstance(forward, int) else 0,
     )  # fmt: skip
+
+
+def refuse_split_batches(frame: FrameType | None) -> None:
+    """Refuse accelerate's ``split_batches=True`` where ``prepare`` reads the sampler's ``batch_size``.
+
+    accelerate's ``prepare_data_loader`` reads ``batch_sampler.batch_size``
+    only to check that a fixed batch can be split evenly between the
+    processes, and fails on None (the sampler's: there is no fixed batch size)
+    with ``TypeError: '>' not supported between instances of 'NoneType' and
+    'int'``. Say what to do instead, at the same place.
+    """
+    if (
+        frame is not None
+        and frame.f_code.co_name == "prepare_data_loader"
+        and frame.f_globals.get("__name__", "").startswith("accelerate")
+        and frame.f_locals.get("split_batches") is True
+    ):
+        raise ValueError(
+            "split_batches should be False for TokenBudgetBatchSampler, but got split_batches=True: "
+            "there is no fixed batch to split between the processes. Leave it at its default "
+            "(Accelerator(dataloader_config=DataLoaderConfiguration(split_batches=False))): the "
+            "sampler's global plan already gives each process its own batch of every step, within "
+            "max_tokens"
+        )

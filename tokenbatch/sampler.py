@@ -69,8 +69,13 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
         True
     """
 
-    #: No fixed batch size: tells accelerate the batches are dynamic.
-    batch_size = None
+    @property
+    def batch_size(self) -> None:
+        """None: there is no fixed batch size (it tells accelerate the batches are dynamic)."""
+        # accelerate's prepare(split_batches=True) reads it only to split a fixed batch, and fails
+        # on None with a TypeError that names neither: refuse there, saying what to do instead.
+        _reader.refuse_split_batches(sys._getframe(1))
+        return None
 
     def __init__(
         self,

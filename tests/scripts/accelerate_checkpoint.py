@@ -10,7 +10,7 @@ re-plan), a first run trains part of epoch 0, saves with
 stops; a second run, built from scratch, loads it with ``load_state`` and
 trains the rest of epoch 0 and all of epoch 1. Each rank writes the sample ids
 it trained, by run and epoch, and what accelerate's other options did:
-``skip_first_batches`` after
+``split_batches``, ``dispatch_batches``, ``skip_first_batches`` after
 ``load_state``, and ``use_stateful_dataloader`` with the sampler registered too.
 """
 
@@ -121,6 +121,10 @@ def error_of(action: Any) -> str | None:
 
 def options(root: Path) -> dict[str, Any]:
     report: dict[str, Any] = {}
+    # split_batches: refused at prepare (accelerate read batch_size and failed on None).
+    report["split"] = error_of(lambda: build(0, split_batches=True))
+    # dispatch_batches: refused when iterated, on every rank, before any batch is dealt out.
+    report["dispatch"] = error_of(lambda: next(iter(build(0, dispatch_batches=True)[4])))
     # skip_first_batches after load_state: the sampler already resumes; skipping more would lose steps.
     train(build(0), False, str(root / "skip"))
     accelerator, *_, loader = build(0)
