@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -164,6 +165,14 @@ def _check_options(options: dict[str, Any], processes: int) -> None:
     assert options["skip"].startswith("ValueError: skip_first_batches should not be used after the sampler")
     if processes == 2:  # a wrapped sampler is resumed by skipping: on top of its own state, refused
         assert options["stateful"].startswith("ValueError: the sampler should not be registered for")
+    forgot = options["set_epoch"]["forgot"]
+    if processes == 1:  # accelerate's DataLoader calls set_epoch with its own count of passes
+        assert forgot == [] and not options["set_epoch"]["same"]
+    else:  # it does not on two processes: the same plan again, and one warning
+        assert len(forgot) == 1 and options["set_epoch"]["same"]
+        assert forgot[0].startswith("TokenBudgetBatchSampler: epoch 0 is iterated again in full")
+        assert "Call sampler.set_epoch(epoch) before each epoch" in forgot[0]
+    assert options["set_epoch"]["called"] == 0  # no warning once set_epoch is called
 
 
 # -- accelerate's batch-shape options (issue 15 item 3) ------------------------------------
@@ -177,3 +186,45 @@ def test_accelerate_batch_shape_options_are_refused_with_the_fix(option: str) ->
     with pytest.raises(ValueError, match=message):
         next(iter(accelerator.prepare(loader(sampler, "torch"))))
     assert sampler.batch_size is None  # read anywhere else, it is what it was
+
+
+# -- set_epoch forgotten (issue 15 item 4) ---------------------------------------------------
+
+
+def passes(sampler: TokenBudgetBatchSampler, count: int, *, set_epoch: bool = False) -> list[list[int]]:
+    """The samples of ``count`` passes of a DataLoader over ``sampler``, one list per pass."""
+    result = []
+    for epoch in range(count):
+        if set_epoch:
+            sampler.set_epoch(epoch)
+        result.append([i for batch in loader(sampler, "torch") for i in batch])
+    return result
+
+
+def test_a_second_full_pass_without_set_epoch_warns_once() -> None:
+    sampler = TokenBudgetBatchSampler(LENGTHS, 256, seed=1)
+    with pytest.warns(UserWarning, match=r"epoch 0 is iterated again in full, with the same plan") as caught:
+        epochs = passes(sampler, 3)
+    assert epochs[0] == epochs[1] == epochs[2]
+    assert len([w for w in caught if "set_epoch" in str(w.message)]) == 1
+
+
+@pytest.mark.parametrize("case", ["set_epoch", "no shuffle", "resume", "replan", "no DataLoader"])
+def test_no_warning_where_repeating_is_right(case: str) -> None:
+    sampler = TokenBudgetBatchSampler(LENGTHS, 256, seed=1, shuffle=case != "no shuffle")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        if case == "set_epoch":
+            passes(sampler, 3, set_epoch=True)
+        elif case == "no shuffle":
+            passes(sampler, 3)  # every epoch has the same plan anyway
+        elif case == "no DataLoader":
+            assert list(sampler) == list(sampler)  # looking at the plan
+            passes(sampler, 1)
+        else:
+            passes(sampler, 1)
+            if case == "resume":
+                sampler.load_state_dict(sampler.state_dict(steps_done=3))
+            else:
+                sampler.replan(128, steps_done=3)
+            passes(sampler, 1)  # the rest of the epoch, once

@@ -65,6 +65,8 @@ class EpochPosition:
     """Bumped whenever the plan changes under a running pass (re-plan, new epoch, resume)."""
     counted: bool = False
     """A training loop marks ``trained`` (the OOM guard, the Trainer): checkpoints then use it."""
+    full_pass: int = -1
+    """The generation of the last DataLoader pass that reached the end of the plan (-1: none)."""
     reader: Reader | None = field(default=None, compare=False, repr=False)
     """The DataLoader pass now reading the plan, where one was found (:mod:`tokenbatch._reader`)."""
     _trained: int = 0
@@ -132,7 +134,7 @@ class EpochPosition:
         if self.generation == generation:
             self.start = 0
             if reader is not None:
-                reader.exhausted = True
+                reader.exhausted, self.full_pass = True, generation
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import logging
 import sys
+import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -116,6 +117,7 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
         self._max_tokens = _checks.positive_number("max_tokens", max_tokens)
         check_oversize(self._keys, self._unit, self._max_tokens, self.oversize)
         self._position = EpochPosition()
+        self._warned_repeat = False
         # How this epoch's plan came about (_history): first budget and ranks (None: read when planned).
         self._epoch_max_tokens = self._max_tokens
         self._epoch_world: int | None = None
@@ -215,7 +217,25 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
         return self._pass(reader)
 
     def _pass(self, reader: _reader.Reader | None) -> Iterator[list[int]]:
-        yield from self._position.walk(self.plan, self.rank, reader)  # the plan as it is at the first batch
+        position = self._position
+        if reader is not None and position.full_pass == position.generation and position.start == 0:
+            self._warn_repeat()
+        yield from position.walk(self.plan, self.rank, reader)  # the plan as it is at the first batch
+
+    def _warn_repeat(self) -> None:
+        """A DataLoader goes over the epoch's whole plan again: set_epoch was forgotten (once per sampler)."""
+        if self._warned_repeat or not self.shuffle:
+            return  # without shuffle every epoch has the same plan: nothing is lost by repeating it
+        self._warned_repeat = True
+        warnings.warn(
+            f"TokenBudgetBatchSampler: epoch {self.epoch} is iterated again in full, with the same "
+            f"plan, and set_epoch was not called since: every epoch then trains the same batches in "
+            f"the same order. Call sampler.set_epoch(epoch) before each epoch, as with "
+            f"DistributedSampler (accelerate's DataLoader does not call it on several processes); a "
+            f"sampler meant to repeat, for evaluation, can be built with shuffle=False",
+            UserWarning,
+            stacklevel=3,
+        )
 
     def set_epoch(self, epoch: int) -> None:
         """Start epoch ``epoch`` (a new plan); the current epoch again is a no-op.

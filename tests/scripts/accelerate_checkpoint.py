@@ -11,7 +11,8 @@ stops; a second run, built from scratch, loads it with ``load_state`` and
 trains the rest of epoch 0 and all of epoch 1. Each rank writes the sample ids
 it trained, by run and epoch, and what accelerate's other options did:
 ``split_batches``, ``dispatch_batches``, ``skip_first_batches`` after
-``load_state``, and ``use_stateful_dataloader`` with the sampler registered too.
+``load_state``, ``use_stateful_dataloader`` with the sampler registered too,
+and a second epoch without ``set_epoch``.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import json
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -136,6 +138,17 @@ def options(root: Path) -> dict[str, Any]:
     again[0].load_state(str(root / "stateful"))
     report["stateful"] = error_of(lambda: trained.extend(train(again, False)))
     report["stateful_ids"] = trained
+    # A second epoch without set_epoch warns (accelerate calls it on one process, not on two).
+    accelerator, sampler, *_, loader = build(0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        epochs = [[i for batch in loader for i in batch["ids"].tolist()] for _ in range(3)]
+        forgot = [str(w.message) for w in caught if "set_epoch" in str(w.message)]
+        caught.clear()
+        for epoch in range(3):
+            sampler.set_epoch(epoch)
+            _ = [batch for batch in loader]
+        report["set_epoch"] = {"forgot": forgot, "same": epochs[0] == epochs[1], "called": len(caught)}
     return report
 
 
