@@ -228,3 +228,18 @@ def test_no_warning_where_repeating_is_right(case: str) -> None:
             else:
                 sampler.replan(128, steps_done=3)
             passes(sampler, 1)  # the rest of the epoch, once
+
+
+# -- lengths that are all equal (issue 15 item 5) --------------------------------------------
+
+
+def test_equal_lengths_warn_and_say_to_pad_dynamically() -> None:
+    with pytest.warns(UserWarning, match=r"all 1000 samples have the same length \(128\)") as caught:
+        TokenBudgetBatchSampler([128] * 1000, 2048)
+    message = str(caught[0].message)
+    assert "max_tokens=2048 is a fixed batch of 16" in message
+    assert "--pad_to_max_length False" in message and "DataCollatorWithPadding" in message
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        TokenBudgetBatchSampler([128] * 999 + [127], 2048)
+        TokenBudgetBatchSampler([128], 2048)  # one sample: nothing to tell

@@ -13,7 +13,15 @@ import numpy as np
 from torch.utils.data import Sampler
 
 from tokenbatch import _checks, _reader, _state, distributed
-from tokenbatch._history import History, Planner, Replan, check_oversize, check_rank, per_sample_costs
+from tokenbatch._history import (
+    History,
+    Planner,
+    Replan,
+    check_oversize,
+    check_rank,
+    per_sample_costs,
+    warn_if_one_length,
+)
 from tokenbatch._state import EpochPosition
 from tokenbatch.cost import CostModel
 from tokenbatch.plan import OVERSIZE_POLICIES, Plan
@@ -118,6 +126,7 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
         check_oversize(self._keys, self._unit, self._max_tokens, self.oversize)
         self._position = EpochPosition()
         self._warned_repeat = False
+        warn_if_one_length(self.lengths, self._unit, self._max_tokens, self.max_batch_size)
         # How this epoch's plan came about (_history): first budget and ranks (None: read when planned).
         self._epoch_max_tokens = self._max_tokens
         self._epoch_world: int | None = None
