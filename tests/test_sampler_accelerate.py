@@ -243,3 +243,20 @@ def test_equal_lengths_warn_and_say_to_pad_dynamically() -> None:
         warnings.simplefilter("error")
         TokenBudgetBatchSampler([128] * 999 + [127], 2048)
         TokenBudgetBatchSampler([128], 2048)  # one sample: nothing to tell
+
+
+# -- DataLoader(sampler=...) (issue 11 item 16) ----------------------------------------------
+
+
+@pytest.mark.parametrize("dataset", ["list", "datasets"])
+def test_passed_as_sampler_it_says_to_pass_batch_sampler(dataset: str) -> None:
+    data: Any = INDICES
+    if dataset == "datasets":
+        from datasets import Dataset
+
+        data = Dataset.from_dict({"input_ids": [[1] * int(n) for n in LENGTHS]})
+    wrong = DataLoader(data, sampler=TokenBudgetBatchSampler(LENGTHS, 256, seed=1))
+    with pytest.raises(
+        TypeError, match=r"pass it as DataLoader\(dataset, batch_sampler=sampler\), not sampler="
+    ):
+        next(iter(wrong))

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from types import FrameType
 from typing import Any
 
+from torch.utils.data import BatchSampler
 from torch.utils.data.dataloader import _BaseDataLoaderIter
 
 _MACHINERY = ("torch.utils.data", "torchdata", "accelerate")
@@ -108,6 +109,7 @@ def find(frame: FrameType | None, sampler: object) -> Reader | None:
     """The DataLoader pass that ``frame`` (the caller of ``sampler.__iter__``) belongs to, if any.
 
     Raises:
+        TypeError: the sampler was passed as ``DataLoader(sampler=...)``.
         ValueError: accelerate's ``dispatch_batches=True``, which cannot deal out
             batches of different sizes.
     """
@@ -117,7 +119,7 @@ def find(frame: FrameType | None, sampler: object) -> Reader | None:
     skip_type = getattr(accelerate, "SkipBatchSampler", ())
     iterator: Any = None
     skipped, seen = 0, set()
-    for _ in range(_MAX_FRAMES):
+    for depth in range(_MAX_FRAMES):
         if frame is None or not frame.f_globals.get("__name__", "").startswith(_MACHINERY):
             break
         owner = frame.f_locals.get("self")
@@ -125,6 +127,12 @@ def find(frame: FrameType | None, sampler: object) -> Reader | None:
         if owner is None or id(owner) in seen:
             continue
         seen.add(id(owner))
+        if depth == 0 and isinstance(owner, BatchSampler) and getattr(owner, "sampler", None) is sampler:
+            raise TypeError(
+                "TokenBudgetBatchSampler yields whole batches: pass it as DataLoader(dataset, "
+                "batch_sampler=sampler), not sampler= (which wraps it in torch's BatchSampler, "
+                "and each 'index' it yields would be a list of indices)"
+            )
         if isinstance(owner, dispatcher_type):
             raise ValueError(
                 "dispatch_batches should be False for TokenBudgetBatchSampler, but got "
