@@ -14,6 +14,8 @@ from hypothesis import strategies as st
 from tokenbatch import CostModel, OversizeSampleError, TokenBudgetBatchSampler
 
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# Equal lengths are one of the corner cases drawn on purpose; the sampler warns about them.
+pytestmark = pytest.mark.filterwarnings("ignore:TokenBudgetBatchSampler. all .* same length")
 
 
 @st.composite

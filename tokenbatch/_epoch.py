@@ -16,7 +16,8 @@ from collections.abc import Iterable, Iterator
 from typing import Any, Generic, TypeVar
 
 from tokenbatch import distributed
-from tokenbatch.sampler import TokenBudgetBatchSampler, unsharded_error
+from tokenbatch._reader import unsharded_error
+from tokenbatch.sampler import TokenBudgetBatchSampler
 
 logger = logging.getLogger("tokenbatch.oom")
 
@@ -196,6 +197,15 @@ class EpochCursor:
         while getattr(source, "batch_sampler", None) is not None and len(seen) < 4:
             source = source.batch_sampler  # DataLoader -> accelerate's BatchSamplerShard -> ...
             seen.append(type(source).__name__)
+            skip = getattr(source, "skip_batches", 0)
+            if isinstance(skip, int) and skip > 0:
+                # accelerate's skip_first_batches: the steps would be numbered from the wrong one.
+                raise ValueError(
+                    f"dataloader should not skip batches under OOMFallback, but it comes from "
+                    f"skip_first_batches(..., {skip}): the sampler resumes by itself at the first step "
+                    f"not yet trained. Register the sampler for checkpointing (or use its state_dict) and "
+                    f"iterate the prepared DataLoader itself after accelerator.load_state"
+                )
             if source is self.sampler:
                 world = distributed.world_size()
                 if len(seen) == 1 and self.sampler.rank is None and world > 1:

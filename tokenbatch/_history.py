@@ -20,11 +20,13 @@ processes; the steps before keep their width, and step numbers go on). The
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
+from tokenbatch._pack import fit_count
 from tokenbatch.cost import CostModel
 from tokenbatch.plan import Plan, oversize_error, plan_batches
 
@@ -52,6 +54,14 @@ class History:
 
     def then(self, replan: Replan) -> History:
         return History(self.max_tokens, self.num_replicas, (*self.replans, replan))
+
+    def extends(self, earlier: History) -> bool:
+        """This is ``earlier`` with more re-plans (no new epoch or resume in between)."""
+        return (
+            (self.max_tokens, self.num_replicas) == (earlier.max_tokens, earlier.num_replicas)
+            and self.replans[: len(earlier.replans)] == earlier.replans
+            and len(self.replans) > len(earlier.replans)
+        )
 
     def on(self, world: int) -> History:
         """This history, planned from the start for ``world`` ranks where it does not say."""
@@ -202,3 +212,19 @@ def check_rank(rank: int | None, world: int) -> None:
         raise ValueError(
             f"rank should be below num_replicas={world}, but got rank={rank}; ranks count from 0"
         )
+
+
+def warn_if_one_length(lengths: np.ndarray, unit: np.ndarray, max_tokens: float, cap: int | None) -> None:
+    """Token budgets need lengths that vary: warn when every sample has the same length."""
+    if len(lengths) < 2 or np.any(lengths != lengths[0]):
+        return
+    fixed = max(1, fit_count(float(unit[0]), max_tokens, len(lengths) if cap is None else cap))
+    warnings.warn(
+        f"TokenBudgetBatchSampler: all {len(lengths)} samples have the same length ({int(lengths[0])}), "
+        f"so max_tokens={max_tokens:g} is a fixed batch of {fixed} and a token budget gains nothing. "
+        f"Were the lengths measured after padding to a fixed length? Pad each batch to its longest "
+        f"sample instead (DataCollatorWithPadding; in transformers' run_classification.py or "
+        f"run_glue.py, pass --pad_to_max_length False) and give the sampler the unpadded lengths",
+        UserWarning,
+        stacklevel=3,
+    )

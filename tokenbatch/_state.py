@@ -23,13 +23,14 @@ from __future__ import annotations
 import hashlib
 import logging
 from collections.abc import Callable, Generator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
 
 from tokenbatch import _checks
 from tokenbatch._history import History, Replan
+from tokenbatch._reader import Reader
 from tokenbatch.cost import CostModel
 from tokenbatch.plan import Plan
 
@@ -60,8 +61,6 @@ class EpochPosition:
     """The step the next pass over the sampler starts at (0, or where a resume or re-plan left it)."""
     handed_out: int = 0
     """Steps the sampler has yielded in this epoch (ahead of training when the DataLoader prefetches)."""
-    trained: int = 0
-    """Steps trained in this epoch, as the training loop counts them."""
     generation: int = 0
     """Bumped whenever the plan changes under a running pass (re-plan, new epoch, resume)."""
     served: int = -1
@@ -70,18 +69,49 @@ class EpochPosition:
     """That pass reached the end of its plan."""
     managed: bool = False
     """A re-plan-aware iterator (``EpochBatches``) draws the epoch: it starts a new pass after a re-plan."""
+    counted: bool = False
+    """A training loop marks ``trained`` (the OOM guard, the Trainer): checkpoints then use it."""
+    full_pass: int = -1
+    """The generation of the last DataLoader pass that reached the end of the plan (-1: none)."""
+    reader: Reader | None = field(default=None, compare=False, repr=False)
+    """The DataLoader pass now reading the plan, where one was found (:mod:`tokenbatch._reader`)."""
+    _trained: int = 0
+
+    @property
+    def trained(self) -> int:
+        """Steps trained in this epoch, as the training loop counts them."""
+        return self._trained
+
+    @trained.setter
+    def trained(self, steps: int) -> None:
+        self._trained, self.counted = steps, True
+
+    def steps_done(self) -> int:
+        """The steps trained, as well as the sampler can tell: what a default checkpoint records.
+
+        ``trained`` where a training loop marks it; else the step the
+        DataLoader pass has given the loop (every batch received counts as
+        trained); else, with no DataLoader in sight, the steps handed out.
+        """
+        if self.counted:
+            return self._trained
+        taken = None if self.reader is None else self.reader.steps_taken(self.generation, self.handed_out)
+        return self.handed_out if taken is None else min(taken, self.handed_out)
 
     def move_to(self, step: int) -> None:
         """The plan changed: the next pass starts at ``step``, and every step before it was trained."""
-        self.start = self.handed_out = self.trained = step
+        self.start = self.handed_out = self._trained = step
         self.generation += 1
 
-    def walk(self, plan: Plan, rank: int | None) -> Generator[list[int], None, int | None]:
+    def walk(
+        self, plan: Plan, rank: int | None, reader: Reader | None = None
+    ) -> Generator[list[int], None, int | None]:
         """One pass over ``plan`` from ``start``: ``rank``'s batch of each step, or every rank's (None).
 
         The cursor moves as batches go out; the pass stops when the plan
         changes under it (a re-plan, a new epoch, a resume), and returns the
         step of the batch it gave last (None: it reached the end of the plan).
+        ``reader`` is the DataLoader pass it feeds, if known.
 
         Raises:
             ValueError: the pass would cover steps planned for another number
@@ -95,8 +125,11 @@ class EpochPosition:
                 f"set_epoch({self.epoch + 1}) to start the next epoch"
             )
         # A pass starts where the cursor says: every step before it has been trained.
-        self.handed_out = self.trained = start
+        self.handed_out = self._trained = start
         self.served, self.finished = generation, False
+        if reader is not None:
+            reader.begin(start, generation)
+        self.reader = reader
         slots = [rank] if rank is not None else range(world)
         out = start  # the step of the batch last yielded
         for step in range(start, plan.num_steps):
@@ -113,6 +146,8 @@ class EpochPosition:
         if self.generation != generation:
             return out  # changed while the last batch was out
         self.start, self.finished = 0, True
+        if reader is not None:
+            reader.exhausted, self.full_pass = True, generation
         return None
 
 

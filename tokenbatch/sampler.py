@@ -6,40 +6,27 @@ import functools
 import logging
 import sys
 from collections.abc import Iterator, Sequence
-from types import FrameType
 from typing import Any
 
 import numpy as np
 from torch.utils.data import Sampler
 
-from tokenbatch import _checks, _state, distributed
-from tokenbatch._history import History, Planner, Replan, check_oversize, check_rank, per_sample_costs
+from tokenbatch import _checks, _reader, _state, distributed
+from tokenbatch._history import (
+    History,
+    Planner,
+    Replan,
+    check_oversize,
+    check_rank,
+    per_sample_costs,
+    warn_if_one_length,
+)
 from tokenbatch._state import EpochPosition
 from tokenbatch.cost import CostModel
 from tokenbatch.plan import OVERSIZE_POLICIES, Plan
 from tokenbatch.stats import PlanStats, batch_stats
 
 logger = logging.getLogger(__name__)
-
-
-def unsharded_error(world: int) -> ValueError:
-    """The error for the global plan read as it is by a DataLoader on each of ``world`` processes."""
-    return ValueError(
-        f"rank should be this process's rank when a DataLoader reads the sampler itself on {world} "
-        f"processes (plain DDP), but got rank=None: the sampler then yields the global plan, every "
-        f"rank's batches, and every rank would train every sample; pass "
-        f"rank=torch.distributed.get_rank(), or let accelerator.prepare(dataloader) share the plan out"
-    )
-
-
-def _read_by_a_dataloader(frame: FrameType | None) -> bool:
-    """``frame`` is a torch DataLoader iterator's, asking for the next batch: nothing shares the plan out.
-
-    accelerate's ``BatchSamplerShard``, which does, reads the sampler from its own frame.
-    """
-    from torch.utils.data.dataloader import _BaseDataLoaderIter
-
-    return frame is not None and isinstance(frame.f_locals.get("self"), _BaseDataLoaderIter)
 
 
 class TokenBudgetBatchSampler(Sampler[list[int]]):
@@ -94,8 +81,13 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
         True
     """
 
-    #: No fixed batch size: tells accelerate the batches are dynamic.
-    batch_size = None
+    @property
+    def batch_size(self) -> None:
+        """None: there is no fixed batch size (it tells accelerate the batches are dynamic)."""
+        # accelerate's prepare(split_batches=True) reads it only to split a fixed batch, and fails
+        # on None with a TypeError that names neither: refuse there, saying what to do instead.
+        _reader.refuse_split_batches(sys._getframe(1))
+        return None
 
     def __init__(
         self,
@@ -137,6 +129,8 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
         self._admitted = self._max_tokens  # oversize is judged against the budget given here
         check_oversize(self._keys, self._unit, self._max_tokens, self.oversize)
         self._position = EpochPosition()
+        self._warned_repeat = False
+        warn_if_one_length(self.lengths, self._unit, self._max_tokens, self.max_batch_size)
         # How this epoch's plan came about (_history): first budget and ranks (None: read when planned).
         self._epoch_max_tokens = self._max_tokens
         self._epoch_world: int | None = None
@@ -228,26 +222,35 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
         return plan.num_steps - start if self.rank is not None else plan.num_batches - plan.step_start(start)
 
     def __iter__(self) -> Iterator[list[int]]:
+        # Not a generator: the look at who iterates (once per pass, _reader) must happen when the
+        # DataLoader iterator is made, on every rank, also where only one rank will ask for batches.
+        caller = sys._getframe(1)
+        reader = _reader.find(caller, self)  # first: it refuses accelerate's dispatching loader by name
         world = distributed.world_size()
-        if self.rank is None and world > 1 and _read_by_a_dataloader(sys._getframe(1)):
-            raise unsharded_error(world)
+        if self.rank is None and world > 1 and _reader.read_by_a_dataloader(caller):
+            raise _reader.unsharded_error(world)
+        if reader is not None:
+            reader.refuse_second_skip(self.epoch, self._position.start)
+        return self._pass(reader)
+
+    def _pass(self, reader: _reader.Reader | None) -> Iterator[list[int]]:
+        position = self._position
+        repeat = reader is not None and position.full_pass == position.generation and position.start == 0
+        if repeat and self.shuffle and not self._warned_repeat:  # unshuffled, every epoch has this plan
+            self._warned_repeat = True
+            _reader.warn_repeat(self.epoch)
         epoch, history = self.epoch, self._history
-        stopped = yield from self._position.walk(self.plan, self.rank)  # the plan as it is at the first batch
-        if stopped is not None and self._replanned_since(epoch, history) and self._position.start >= stopped:
+        stopped = yield from position.walk(self.plan, self.rank, reader)  # the plan as at the first batch
+        if (
+            stopped is not None
+            and self.epoch == epoch
+            and self._history.extends(history)
+            and position.start >= stopped
+        ):
             # Re-planned from the step this pass is at, or later: of what it handed out only that step
             # is re-planned, and its batch was dropped (a loop over a DataLoader without workers), so
             # it carries on with the new plan. A pass that read further ahead stops: a new one starts.
-            yield from self.__iter__()
-
-    def _replanned_since(self, epoch: int, history: History) -> bool:
-        """The epoch's plan is ``history``'s with more re-plans: no new epoch or resume since."""
-        now = self._history
-        return (
-            self.epoch == epoch
-            and (now.max_tokens, now.num_replicas) == (history.max_tokens, history.num_replicas)
-            and now.replans[: len(history.replans)] == history.replans
-            and len(now.replans) > len(history.replans)
-        )
+            yield from self._pass(reader)
 
     def set_epoch(self, epoch: int) -> None:
         """Start epoch ``epoch`` (a new plan); the current epoch again is a no-op.
@@ -302,19 +305,24 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
         """Everything needed to resume this epoch at the same sample with the same budget, on any rank.
 
         Args:
-            steps_done: steps trained so far in this epoch, exact where the loop
-                counts them (``OOMFallback.steps_done``, ``sampler.position.trained``).
-                The default, the steps handed out (a step counts once its last
-                batch is yielded: every rank's, in the global plan), is exact
-                for a ``DataLoader`` without workers. A prefetching one runs
-                ahead of training (``num_workers > 0`` by ``prefetch_factor *
-                num_workers`` batches; accelerate's prepared DataLoader by one):
-                then pass ``steps_done``, or the steps read ahead are skipped.
+            steps_done: steps trained so far in this epoch. The default is exact
+                for the usual loops, ``accelerator.save_state`` included (it
+                calls ``state_dict()`` with no argument): where a training loop
+                marks the steps trained (``OOMFallback.iterate``, the Trainer),
+                ``position.trained``; else, where a ``DataLoader`` reads the
+                sampler (prepared by accelerate or not, with workers or not),
+                every batch the loop has received counts as trained, not those
+                read ahead; else the steps handed out. Save after the step's
+                update. A loop that reads batches ahead itself (a prefetcher of
+                its own) sets ``sampler.position.trained = steps`` as it trains,
+                or passes ``steps_done``. (torchdata's ``StatefulDataLoader``,
+                which checkpoints the sampler itself, gets the steps handed out:
+                it accounts for what it read ahead.)
 
         Raises:
             ValueError: ``steps_done`` is beyond this epoch's plan, or before its last re-plan.
         """
-        done = self._position.handed_out
+        done = self._position.steps_done()
         if steps_done is not None:
             done = _checks.non_negative_int("steps_done", steps_done)
             self._history.check_steps_done(done, self.plan)

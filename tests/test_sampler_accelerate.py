@@ -1,0 +1,262 @@
+"""The sampler where users put it: accelerate's checkpoints and options, DataLoaders with workers.
+
+save_state / load_state mid-epoch run for real on one process and on two
+(accelerate launch, gloo on CPU), with 0 and 2 DataLoader workers, with and
+without OOMFallback; the rest runs in this process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from accelerate import Accelerator, DataLoaderConfiguration
+from accelerate.data_loader import DataLoaderShard, skip_first_batches
+from torch.utils.data import DataLoader
+
+from tokenbatch import OOMFallback, TokenBudgetBatchSampler
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "tests" / "scripts" / "accelerate_checkpoint.py"
+LENGTHS = np.random.default_rng(0).integers(4, 60, size=300)
+INDICES = list(range(len(LENGTHS)))
+
+
+def loader(sampler: TokenBudgetBatchSampler, kind: str, workers: int = 0) -> Any:
+    """A DataLoader over the sampler: torch's own, or accelerate's one-process DataLoaderShard."""
+    make = DataLoaderShard if kind == "accelerate" else DataLoader
+    return make(INDICES, batch_sampler=sampler, collate_fn=list, num_workers=workers)
+
+
+# -- the default state counts what training got (issue 15 item 1) ---------------------------
+
+
+@pytest.mark.parametrize("kind", ["torch", "accelerate"])
+@pytest.mark.parametrize("workers", [0, 2])
+def test_default_state_counts_the_batches_the_loop_received_not_those_read_ahead(
+    kind: str, workers: int
+) -> None:
+    sampler = TokenBudgetBatchSampler(LENGTHS, 256, seed=1)
+    trained: list[int] = []
+    for step, batch in enumerate(loader(sampler, kind, workers)):
+        trained += batch
+        assert sampler.state_dict()["steps_done"] == step + 1  # what accelerator.save_state calls
+        if step + 1 == 3:
+            break
+    assert sampler.position.handed_out > 3 or (kind, workers) == ("torch", 0)  # read ahead
+    state = sampler.state_dict()  # and once the loop is left
+    assert state["steps_done"] == 3
+    resumed = TokenBudgetBatchSampler(LENGTHS, 256, seed=1)
+    resumed.load_state_dict(state)
+    rest = [i for batch in loader(resumed, kind, workers) for i in batch]
+    assert sorted(trained + rest) == INDICES  # every sample exactly once
+
+
+def test_the_default_state_at_the_end_of_an_epoch_is_the_whole_epoch() -> None:
+    sampler = TokenBudgetBatchSampler(LENGTHS, 256, seed=1)
+    for _ in loader(sampler, "accelerate", workers=2):
+        pass
+    assert sampler.state_dict()["steps_done"] == sampler.plan.num_steps
+
+
+def test_skip_first_batches_without_a_loaded_state_counts_the_skipped_steps_as_trained() -> None:
+    sampler = TokenBudgetBatchSampler(LENGTHS, 256, seed=1)
+    for step, _ in enumerate(skip_first_batches(loader(sampler, "accelerate"), 4)):
+        if step + 1 == 2:
+            break
+    assert sampler.state_dict()["steps_done"] == 6  # 4 trained before the restart, 2 since
+
+
+def test_skip_first_batches_after_the_sampler_resumed_is_refused() -> None:
+    source = TokenBudgetBatchSampler(LENGTHS, 256, seed=1)
+    sampler = TokenBudgetBatchSampler(LENGTHS, 256, seed=1)
+    sampler.load_state_dict(source.state_dict(steps_done=4))
+    skipping = skip_first_batches(loader(sampler, "accelerate"), 4)
+    with pytest.raises(ValueError, match=r"skip_first_batches should not be used after the sampler's state"):
+        next(iter(skipping))
+    with pytest.raises(ValueError, match=r"should not skip batches under OOMFallback"):
+        next(iter(OOMFallback(sampler, torch.nn.Linear(2, 2)).iterate(skipping)))
+    assert [i for batch in loader(sampler, "accelerate") for i in batch]  # the DataLoader itself resumes
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_use_stateful_dataloader_still_resumes_every_sample_once(workers: int, tmp_path: Path) -> None:
+    """torchdata's StatefulDataLoader asks the sampler for its own position, and skips what it read ahead."""
+
+    def run(resume: bool) -> list[int]:
+        config = DataLoaderConfiguration(use_stateful_dataloader=True)
+        accelerator = Accelerator(cpu=True, dataloader_config=config)
+        sampler = TokenBudgetBatchSampler(LENGTHS, 256, seed=1)
+        prepared = accelerator.prepare(loader(sampler, "torch", workers))
+        accelerator.register_for_checkpointing(sampler)
+        if resume:
+            accelerator.load_state(str(tmp_path))
+        trained: list[int] = []
+        for step, batch in enumerate(prepared):
+            trained += batch
+            if not resume and step + 1 == 3:
+                accelerator.save_state(str(tmp_path))
+                break
+        return trained
+
+    assert sorted(run(False) + run(True)) == INDICES
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("processes", [1, 2])
+def test_accelerate_save_state_and_load_state_mid_epoch_train_every_sample_once(
+    processes: int, tmp_path: Path
+) -> None:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
+    env.update(ACCELERATE_USE_CPU="1", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    command = [sys.executable, str(SCRIPT), str(tmp_path)]
+    if processes == 2:
+        command[1:1] = [
+            "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines",
+            "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "0",
+        ]  # fmt: skip
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(processes)]
+    everything = list(range(len(_script_lengths())))
+    for name in (
+        "workers=0,guard=False",
+        "workers=0,guard=True",
+        "workers=2,guard=False",
+        "workers=2,guard=True",
+    ):
+        runs = [report["resume"][name] for report in ranks]
+        epoch0 = sorted(i for run in runs for i in run["before"] + run["rest"])
+        assert epoch0 == everything, name  # exactly once over both runs and every rank
+        assert sorted(i for run in runs for i in run["epoch1"]) == everything, name
+        assert all(run["start"] == 4 for run in runs), name  # the 4 steps trained, not those read ahead
+        assert runs[0]["replans"] == (1 if "guard=True" in name else 0)  # the guard's re-plan was saved
+    for report in ranks:
+        _check_options(report["options"], processes)
+    if processes == 1:  # the DataLoader's state wins over the sampler's: every sample once
+        assert ranks[0]["options"]["stateful"] is None
+        assert sorted(ranks[0]["options"]["stateful_ids"]) == everything
+
+
+def _script_lengths() -> list[int]:
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        from accelerate_checkpoint import LENGTHS as lengths
+    finally:
+        sys.path.pop(0)
+    return list(lengths)
+
+
+def _check_options(options: dict[str, Any], processes: int) -> None:
+    assert options["split"].startswith(
+        "ValueError: split_batches should be False for TokenBudgetBatchSampler"
+    )
+    assert "DataLoaderConfiguration(split_batches=False)" in options["split"]
+    assert options["dispatch"].startswith("ValueError: dispatch_batches should be False")
+    assert options["skip"].startswith("ValueError: skip_first_batches should not be used after the sampler")
+    if processes == 2:  # a wrapped sampler is resumed by skipping: on top of its own state, refused
+        assert options["stateful"].startswith("ValueError: the sampler should not be registered for")
+    forgot = options["set_epoch"]["forgot"]
+    if processes == 1:  # accelerate's DataLoader calls set_epoch with its own count of passes
+        assert forgot == [] and not options["set_epoch"]["same"]
+    else:  # it does not on two processes: the same plan again, and one warning
+        assert len(forgot) == 1 and options["set_epoch"]["same"]
+        assert forgot[0].startswith("TokenBudgetBatchSampler: epoch 0 is iterated again in full")
+        assert "Call sampler.set_epoch(epoch) before each epoch" in forgot[0]
+    assert options["set_epoch"]["called"] == 0  # no warning once set_epoch is called
+
+
+# -- accelerate's batch-shape options (issue 15 item 3) ------------------------------------
+
+
+@pytest.mark.parametrize("option", ["split_batches", "dispatch_batches"])
+def test_accelerate_batch_shape_options_are_refused_with_the_fix(option: str) -> None:
+    accelerator = Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(**{option: True}))
+    sampler = TokenBudgetBatchSampler(LENGTHS, 256, seed=1)
+    message = rf"{option} should be False for TokenBudgetBatchSampler, but got {option}=True"
+    with pytest.raises(ValueError, match=message):
+        next(iter(accelerator.prepare(loader(sampler, "torch"))))
+    assert sampler.batch_size is None  # read anywhere else, it is what it was
+
+
+# -- set_epoch forgotten (issue 15 item 4) ---------------------------------------------------
+
+
+def passes(sampler: TokenBudgetBatchSampler, count: int, *, set_epoch: bool = False) -> list[list[int]]:
+    """The samples of ``count`` passes of a DataLoader over ``sampler``, one list per pass."""
+    result = []
+    for epoch in range(count):
+        if set_epoch:
+            sampler.set_epoch(epoch)
+        result.append([i for batch in loader(sampler, "torch") for i in batch])
+    return result
+
+
+def test_a_second_full_pass_without_set_epoch_warns_once() -> None:
+    sampler = TokenBudgetBatchSampler(LENGTHS, 256, seed=1)
+    with pytest.warns(UserWarning, match=r"epoch 0 is iterated again in full, with the same plan") as caught:
+        epochs = passes(sampler, 3)
+    assert epochs[0] == epochs[1] == epochs[2]
+    assert len([w for w in caught if "set_epoch" in str(w.message)]) == 1
+
+
+@pytest.mark.parametrize("case", ["set_epoch", "no shuffle", "resume", "replan", "no DataLoader"])
+def test_no_warning_where_repeating_is_right(case: str) -> None:
+    sampler = TokenBudgetBatchSampler(LENGTHS, 256, seed=1, shuffle=case != "no shuffle")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        if case == "set_epoch":
+            passes(sampler, 3, set_epoch=True)
+        elif case == "no shuffle":
+            passes(sampler, 3)  # every epoch has the same plan anyway
+        elif case == "no DataLoader":
+            assert list(sampler) == list(sampler)  # looking at the plan
+            passes(sampler, 1)
+        else:
+            passes(sampler, 1)
+            if case == "resume":
+                sampler.load_state_dict(sampler.state_dict(steps_done=3))
+            else:
+                sampler.replan(128, steps_done=3)
+            passes(sampler, 1)  # the rest of the epoch, once
+
+
+# -- lengths that are all equal (issue 15 item 5) --------------------------------------------
+
+
+def test_equal_lengths_warn_and_say_to_pad_dynamically() -> None:
+    with pytest.warns(UserWarning, match=r"all 1000 samples have the same length \(128\)") as caught:
+        TokenBudgetBatchSampler([128] * 1000, 2048)
+    message = str(caught[0].message)
+    assert "max_tokens=2048 is a fixed batch of 16" in message
+    assert "--pad_to_max_length False" in message and "DataCollatorWithPadding" in message
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        TokenBudgetBatchSampler([128] * 999 + [127], 2048)
+        TokenBudgetBatchSampler([128], 2048)  # one sample: nothing to tell
+
+
+# -- DataLoader(sampler=...) (issue 11 item 16) ----------------------------------------------
+
+
+@pytest.mark.parametrize("dataset", ["list", "datasets"])
+def test_passed_as_sampler_it_says_to_pass_batch_sampler(dataset: str) -> None:
+    data: Any = INDICES
+    if dataset == "datasets":
+        from datasets import Dataset
+
+        data = Dataset.from_dict({"input_ids": [[1] * int(n) for n in LENGTHS]})
+    wrong = DataLoader(data, sampler=TokenBudgetBatchSampler(LENGTHS, 256, seed=1))
+    with pytest.raises(
+        TypeError, match=r"pass it as DataLoader\(dataset, batch_sampler=sampler\), not sampler="
+    ):
+        next(iter(wrong))
