@@ -14,6 +14,8 @@ How it fits Trainer's loop is :mod:`tokenbatch.integrations._loop`'s business.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from functools import partial
 from typing import Any, cast
 
 from tokenbatch import _checks
@@ -31,9 +33,10 @@ try:
     from tokenbatch.integrations._checkpoint import STATE_FILE
     from tokenbatch.integrations._data import budget_sampler, dataset_lengths, loader_options
     from tokenbatch.integrations._evaluation import EvalLoss, gather_rows, rank_local_loss
-    from tokenbatch.integrations._feed import inverse_order, reorder
+    from tokenbatch.integrations._feed import BudgetLoader, SizedBudgetLoader, inverse_order, reorder
     from tokenbatch.integrations._guard import check_supported, labelled_items
     from tokenbatch.integrations._loop import BudgetLoop
+    from tokenbatch.integrations._schedule import Run, run_length
 except ImportError as error:  # pragma: no cover - the extra is not installed
     raise ImportError(
         "tokenbatch.integrations.transformers needs transformers and accelerate: "
@@ -126,6 +129,7 @@ class TokenBudgetTrainer(BudgetLoop):
             "oversize": _checks.one_of("oversize", oversize, OVERSIZE_POLICIES),
         }
         self._test_order: Any = None
+        self._eval_loaders: dict[str, Any] = {}  # with dataloader_persistent_workers
         self._eval_guard: EvalGuard | None = None
         self._eval_loss: EvalLoss | None = None
         super().__init__(*args, **kwargs)
@@ -157,13 +161,14 @@ class TokenBudgetTrainer(BudgetLoop):
     # -- data --------------------------------------------------------------------------
 
     def _budget_dataloader(
-        self, dataset: Any, description: str, max_tokens: float, *, training: bool
+        self, dataset: Any, plain: Callable[[], Any], max_tokens: float, *, training: bool
     ) -> tuple[Any, TokenBudgetBatchSampler]:
         """A DataLoader over ``dataset`` batched by ``max_tokens``, prepared by the accelerator.
 
-        Mirrors ``Trainer._get_dataloader`` (column removal, collator, worker
-        settings), with the sampler as ``batch_sampler``; the sampler yields the
-        global plan, which accelerate's ``BatchSamplerShard`` shares out by rank.
+        ``plain()`` is Trainer's own DataLoader for ``dataset``: its dataset
+        (unused columns removed) and its collator are kept, with the sampler as
+        ``batch_sampler``; the sampler yields the global plan, which
+        accelerate's ``BatchSamplerShard`` shares out by rank.
         """
         names = getattr(self.processing_class, "model_input_names", None)
         lengths = dataset_lengths(dataset, self.args.length_column_name, names[0] if names else "input_ids")
@@ -176,46 +181,56 @@ class TokenBudgetTrainer(BudgetLoop):
             training=training,
             options=self.sampler_options,
         )
-        collator = self.data_collator
-        if hasattr(dataset, "column_names") and hasattr(dataset, "remove_columns"):
-            dataset = self._remove_unused_columns(dataset, description=description)
-        else:
-            collator = self._get_collator_with_removed_columns(collator, description=description)
+        base = plain()
         options = loader_options(self.args, training=training)
-        loader = DataLoader(dataset, batch_sampler=sampler, collate_fn=collator, **options)
+        loader = DataLoader(base.dataset, batch_sampler=sampler, collate_fn=base.collate_fn, **options)
         return self.accelerator.prepare(loader), sampler
 
     def get_train_dataloader(self) -> Any:
+        """What Trainer trains on: a :class:`~tokenbatch.integrations._feed.BudgetLoader` over the plan."""
         if self.train_dataset is None:
             raise ValueError("Trainer: training requires a train_dataset.")
         loader, sampler = self._budget_dataloader(
-            self.train_dataset, "Training", self.max_tokens, training=True
+            self.train_dataset, super().get_train_dataloader, self.max_tokens, training=True
         )
         if self._resume is not None:
             sampler.load_state_dict(self._resume["sampler"])
             if len(sampler) == 0:  # saved at the end of an epoch: resume at the start of the next
                 sampler.set_epoch(sampler.epoch + 1)
         self._sampler = sampler
-        return loader
+        args = self.args
+        options: dict[str, Any] = {
+            "accumulation": args.gradient_accumulation_steps,
+            "main_input_name": getattr(self.model, "main_input_name", "input_ids"),
+        }
+        if args.max_steps > 0:  # no length: Trainer runs epochs until max_steps
+            budget_loader: BudgetLoader = BudgetLoader(loader, sampler, **options)
+        else:  # more batches than all epochs hold: Trainer counts its epochs from 0 even when resuming
+            bound = args.gradient_accumulation_steps * (int(args.num_train_epochs) * len(sampler.lengths) + 1)
+            budget_loader = SizedBudgetLoader(loader, sampler, bound=bound, **options)
+        schedule_length, max_steps = run_length(sampler, args, self.max_tokens, self._resume)
+        self._run = Run(budget_loader, schedule_length, max_steps, resumed=self._resume is not None)
+        return budget_loader
 
     def get_eval_dataloader(self, eval_dataset: Any = None) -> Any:
         if eval_dataset is None and self.eval_dataset is None:
             raise ValueError("Trainer: evaluation requires an eval_dataset.")
         key = eval_dataset if isinstance(eval_dataset, str) else "eval"
-        cached = getattr(self, "_eval_dataloaders", {})
-        if self.args.dataloader_persistent_workers and key in cached:
-            return cached[key]
+        if self.args.dataloader_persistent_workers and key in self._eval_loaders:
+            return self._eval_loaders[key]
         if isinstance(eval_dataset, str):
             dataset = cast(dict[str, Any], self.eval_dataset)[eval_dataset]
         else:
             dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
-        loader, _ = self._budget_dataloader(dataset, "Evaluation", self.eval_max_tokens, training=False)
+        plain = partial(super().get_eval_dataloader, eval_dataset)
+        loader, _ = self._budget_dataloader(dataset, plain, self.eval_max_tokens, training=False)
         if self.args.dataloader_persistent_workers:
-            self._eval_dataloaders = {**cached, key: loader}
+            self._eval_loaders[key] = loader
         return loader
 
     def get_test_dataloader(self, test_dataset: Any) -> Any:
-        loader, sampler = self._budget_dataloader(test_dataset, "test", self.eval_max_tokens, training=False)
+        plain = partial(super().get_test_dataloader, test_dataset)
+        loader, sampler = self._budget_dataloader(test_dataset, plain, self.eval_max_tokens, training=False)
         self._test_order = sampler.plan.order.copy()
         return loader
 
