@@ -51,9 +51,9 @@ from tokenbatch.integrations._checkpoint import (
     read_state,
     sampler_resumes,
 )
-from tokenbatch.integrations._feed import Feed
+from tokenbatch.integrations._feed import BudgetLoader, Feed, SizedBudgetLoader
 from tokenbatch.integrations._guard import guarded_backward, make_fallback, share_loss
-from tokenbatch.integrations._schedule import Run, RunProgress, StretchedSchedule
+from tokenbatch.integrations._schedule import Run, RunProgress, StretchedSchedule, run_length
 from tokenbatch.oom import OOMFallback
 from tokenbatch.sampler import TokenBudgetBatchSampler
 
@@ -63,8 +63,8 @@ logger = logging.getLogger("tokenbatch.integrations.transformers")
 class BudgetLoop(Trainer):
     """Trainer's training loop over a token-budget sampler, with each step guarded by an ``OOMFallback``.
 
-    The subclass sets the settings below before calling ``__init__``, and sets
-    ``_sampler`` and ``_run`` when it builds the training loader.
+    The subclass sets the settings below before calling ``__init__``, and
+    passes its training DataLoader through ``_training_loader``.
     """
 
     max_tokens: float
@@ -100,6 +100,27 @@ class BudgetLoop(Trainer):
                 logger.warning("ignore_data_skip=True is ignored: the sampler resumes at the next sample")
         with sampler_resumes(self.args, self._resume is not None):
             return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval)
+
+    def _training_loader(self, loader: Any, sampler: TokenBudgetBatchSampler) -> BudgetLoader:
+        """What Trainer trains on: ``loader`` (the prepared DataLoader over ``sampler``) as a BudgetLoader."""
+        if self._resume is not None:
+            sampler.load_state_dict(self._resume["sampler"])
+            if len(sampler) == 0:  # saved at the end of an epoch: resume at the start of the next
+                sampler.set_epoch(sampler.epoch + 1)
+        self._sampler = sampler
+        args = self.args
+        options: dict[str, Any] = {
+            "accumulation": args.gradient_accumulation_steps,
+            "main_input_name": getattr(self.model, "main_input_name", "input_ids"),
+        }
+        if args.max_steps > 0:  # no length: Trainer runs epochs until max_steps
+            budget_loader = BudgetLoader(loader, sampler, **options)
+        else:  # more batches than all epochs hold: Trainer counts its epochs from 0 even when resuming
+            bound = args.gradient_accumulation_steps * (int(args.num_train_epochs) * len(sampler.lengths) + 1)
+            budget_loader = SizedBudgetLoader(loader, sampler, bound=bound, **options)
+        schedule_length, max_steps = run_length(sampler, args, self.max_tokens, self._resume)
+        self._run = Run(budget_loader, schedule_length, max_steps, resumed=self._resume is not None)
+        return budget_loader
 
     def create_scheduler(self, num_training_steps: int, optimizer: Any = None) -> LRScheduler:
         if self._run is not None:  # Trainer's count comes from the loader's bound

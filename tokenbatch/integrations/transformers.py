@@ -24,20 +24,32 @@ from tokenbatch.oom import MODES, EvalGuard, OOMEvent, OOMFallback
 from tokenbatch.plan import OVERSIZE_POLICIES
 from tokenbatch.sampler import TokenBudgetBatchSampler
 
+MIN_TRANSFORMERS = "4.57"
+"""The oldest transformers TokenBudgetTrainer is tested with (pyproject.toml's bound; .ci/run tests it)."""
+
 try:
     import torch
+    import transformers
+    from packaging.version import Version
     from torch import nn
     from torch.utils.data import DataLoader
+
+    if Version(transformers.__version__) < Version(MIN_TRANSFORMERS):
+        raise ImportError(
+            f"tokenbatch.integrations.transformers needs transformers>={MIN_TRANSFORMERS}, but "
+            f"transformers {transformers.__version__} is installed: pip install 'tokenbatch[transformers]'"
+        )
     from transformers.trainer_utils import EvalLoopOutput, PredictionOutput
 
     from tokenbatch.integrations._checkpoint import STATE_FILE
     from tokenbatch.integrations._data import budget_sampler, dataset_lengths, loader_options
     from tokenbatch.integrations._evaluation import EvalLoss, gather_rows, rank_local_loss
-    from tokenbatch.integrations._feed import BudgetLoader, SizedBudgetLoader, inverse_order, reorder
+    from tokenbatch.integrations._feed import inverse_order, reorder
     from tokenbatch.integrations._guard import check_supported, labelled_items
     from tokenbatch.integrations._loop import BudgetLoop
-    from tokenbatch.integrations._schedule import Run, run_length
-except ImportError as error:  # pragma: no cover - the extra is not installed
+except ImportError as error:  # pragma: no cover - the extra is not installed, or too old
+    if "needs transformers>=" in str(error):
+        raise
     raise ImportError(
         "tokenbatch.integrations.transformers needs transformers and accelerate: "
         "pip install 'tokenbatch[transformers]'"
@@ -193,24 +205,7 @@ class TokenBudgetTrainer(BudgetLoop):
         loader, sampler = self._budget_dataloader(
             self.train_dataset, super().get_train_dataloader, self.max_tokens, training=True
         )
-        if self._resume is not None:
-            sampler.load_state_dict(self._resume["sampler"])
-            if len(sampler) == 0:  # saved at the end of an epoch: resume at the start of the next
-                sampler.set_epoch(sampler.epoch + 1)
-        self._sampler = sampler
-        args = self.args
-        options: dict[str, Any] = {
-            "accumulation": args.gradient_accumulation_steps,
-            "main_input_name": getattr(self.model, "main_input_name", "input_ids"),
-        }
-        if args.max_steps > 0:  # no length: Trainer runs epochs until max_steps
-            budget_loader: BudgetLoader = BudgetLoader(loader, sampler, **options)
-        else:  # more batches than all epochs hold: Trainer counts its epochs from 0 even when resuming
-            bound = args.gradient_accumulation_steps * (int(args.num_train_epochs) * len(sampler.lengths) + 1)
-            budget_loader = SizedBudgetLoader(loader, sampler, bound=bound, **options)
-        schedule_length, max_steps = run_length(sampler, args, self.max_tokens, self._resume)
-        self._run = Run(budget_loader, schedule_length, max_steps, resumed=self._resume is not None)
-        return budget_loader
+        return self._training_loader(loader, sampler)
 
     def get_eval_dataloader(self, eval_dataset: Any = None) -> Any:
         if eval_dataset is None and self.eval_dataset is None:
