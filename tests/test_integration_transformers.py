@@ -265,9 +265,9 @@ def test_the_declared_transformers_bound_is_the_one_enforced(monkeypatch: pytest
 
     bounds = re.findall(r'"transformers>=([0-9.]+)"', (REPO / "pyproject.toml").read_text())
     assert bounds and set(bounds) == {integration.MIN_TRANSFORMERS}
-    monkeypatch.setattr(transformers, "__version__", "4.56.2")
+    monkeypatch.setattr(transformers, "__version__", "4.49.0")
     monkeypatch.delitem(sys.modules, integration.__name__)  # restored after the test
-    with pytest.raises(ImportError, match=r"needs transformers>=4\.57, but transformers 4\.56\.2 is in"):
+    with pytest.raises(ImportError, match=r"needs transformers>=4\.50, but transformers 4\.49\.0 is in"):
         importlib.import_module(integration.__name__)
 
 

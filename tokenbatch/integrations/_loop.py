@@ -1,6 +1,6 @@
 """The token-budget training run inside transformers' ``Trainer`` loop, through its public extension points.
 
-Trainer's loop is left as it is (transformers 4.57 to 5): it runs epochs over
+Trainer's loop is left as it is (transformers 4.50 to 5.x): it runs epochs over
 what ``get_train_dataloader`` returns, a group of
 ``gradient_accumulation_steps`` batches per optimizer step, each batch through
 ``training_step``. The pieces that make that loop follow a token-budget plan:

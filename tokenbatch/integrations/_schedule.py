@@ -3,7 +3,8 @@
 Trainer sizes the run (``state.max_steps``, the scheduler's length) from
 ``len(train_dataloader)`` once. Here the plans of all epochs count instead:
 they are pure functions of (seed, epoch, budget), so the exact number of
-optimizer steps is known before training. A halve-mode re-plan makes the rest
+optimizer steps is known before training (:func:`run_length`), and
+:class:`RunProgress`, a callback, makes Trainer's state say so. A halve-mode re-plan makes the rest
 of training take more steps (smaller batches): :func:`grow_run` then raises
 ``state.max_steps`` so that no epoch is cut short, and :class:`StretchedSchedule`
 spreads the rest of the original schedule over the new steps, rather than
@@ -170,7 +171,10 @@ class RunProgress(TrainerCallback):
         if args.max_steps > 0:
             return
         if not run.resumed:  # a resumed state has them from the run that saved it
-            state.compute_steps(args, run.schedule_length)
+            for kind in ("logging", "eval", "save"):  # a share of the run, as Trainer resolves it
+                share = getattr(args, f"{kind}_steps", None)
+                if share is not None and share < 1:
+                    setattr(state, f"{kind}_steps", math.ceil(run.schedule_length * share))
         state.max_steps = run.max_steps
         logger.info(
             "max_tokens=%g: %d optimizer steps over %d epochs, as the token-budget plans make them "

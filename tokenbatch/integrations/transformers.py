@@ -24,7 +24,7 @@ from tokenbatch.oom import MODES, EvalGuard, OOMEvent, OOMFallback
 from tokenbatch.plan import OVERSIZE_POLICIES
 from tokenbatch.sampler import TokenBudgetBatchSampler
 
-MIN_TRANSFORMERS = "4.57"
+MIN_TRANSFORMERS = "4.50"
 """The oldest transformers TokenBudgetTrainer is tested with (pyproject.toml's bound; .ci/run tests it)."""
 
 try:
