@@ -206,6 +206,71 @@ def test_resume_continues_at_the_same_sample_with_the_same_budget(
     assert torch.equal(tc.flat_params(resumed.model), tc.flat_params(original.model))
 
 
+def test_max_steps_runs_that_many_steps_across_epochs_and_resumes(
+    emotion_data_dir: Path, minilm_tokenizer: Any, tmp_path: Path
+) -> None:
+    """max_steps into a second epoch that halve mode re-plans: exactly that many steps, resumed in place."""
+    lengths = column_lengths(tc.tokenized(emotion_data_dir, minilm_tokenizer))
+    first = len(TokenBudgetBatchSampler(lengths, tc.MAX_TOKENS, seed=0, oversize="alone"))  # epoch 0's steps
+    max_steps = first + 4
+    options: dict[str, Any] = {"oom_mode": "halve", "arguments": {"max_steps": max_steps}}
+    trainer = tc.make_trainer(emotion_data_dir, minilm_tokenizer, tmp_path / "run", **options)
+    trainer.add_callback(tc.save_at(steps=(first + 2,)))  # in epoch 1, after its re-plan
+    failure = tc.CallOOM(trainer.model, {first + 2}, where="forward")  # epoch 1's second batch
+    trainer.train()
+    failure.remove()
+
+    steps = trainer.recorder.steps
+    ((event_epoch, event_step),) = [(event.epoch, event.step) for event in trainer.oom_events]
+    assert (event_epoch, event_step) == (1, 1)
+    assert [s["global_step"] for s in steps] == list(range(max_steps))
+    assert trainer.state.global_step == trainer.state.max_steps == max_steps  # not grown: it is the run
+    uses = uses_per_epoch(steps)
+    assert sorted(uses) == [0, 1]
+    assert sorted(uses[0]) == list(range(tc.TRAIN_SIZE)) and set(uses[0].values()) == {1}
+    assert set(uses[1].values()) == {1} and len(uses[1]) < tc.TRAIN_SIZE  # cut at max_steps
+    rates = [s["lr"] for s in steps]  # Trainer's own linear schedule over max_steps
+    assert rates[0] == pytest.approx(1e-3) and rates[-1] == pytest.approx(1e-3 / max_steps)
+
+    resumed = tc.make_trainer(emotion_data_dir, minilm_tokenizer, tmp_path / "resumed", **options)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "run" / f"checkpoint-{first + 2}"))
+    assert resumed.recorder.steps == [s for s in steps if s["global_step"] >= first + 2]
+    assert resumed.oom_events == trainer.oom_events
+    assert torch.equal(tc.flat_params(resumed.model), tc.flat_params(trainer.model))
+
+
+def test_no_private_trainer_method_is_overridden() -> None:
+    """TokenBudgetTrainer stands on Trainer's public extension points, not on what a release may change."""
+    from transformers import Trainer
+
+    from tokenbatch.integrations.transformers import TokenBudgetTrainer
+
+    ours = TokenBudgetTrainer.__mro__[: TokenBudgetTrainer.__mro__.index(Trainer)]
+    overridden = {name for cls in ours for name in vars(cls) if callable(getattr(Trainer, name, None))}
+    assert {name for name in overridden if name.startswith("_") and not name.startswith("__")} == set()
+    assert overridden == {
+        "__init__", "train", "get_train_dataloader", "get_eval_dataloader", "get_test_dataloader",
+        "create_scheduler", "training_step", "log", "evaluation_loop", "prediction_step", "predict",
+    }  # fmt: skip
+
+
+def test_the_declared_transformers_bound_is_the_one_enforced(monkeypatch: pytest.MonkeyPatch) -> None:
+    """pyproject.toml's transformers bound is MIN_TRANSFORMERS; an older transformers is refused by name."""
+    import importlib
+    import re
+
+    import transformers
+
+    from tokenbatch.integrations import transformers as integration
+
+    bounds = re.findall(r'"transformers>=([0-9.]+)"', (REPO / "pyproject.toml").read_text())
+    assert bounds and set(bounds) == {integration.MIN_TRANSFORMERS}
+    monkeypatch.setattr(transformers, "__version__", "4.49.0")
+    monkeypatch.delitem(sys.modules, integration.__name__)  # restored after the test
+    with pytest.raises(ImportError, match=r"needs transformers>=4\.50, but transformers 4\.49\.0 is in"):
+        importlib.import_module(integration.__name__)
+
+
 def test_evaluation_and_prediction_use_the_eval_budget(
     emotion_data_dir: Path, minilm_tokenizer: Any, tmp_path: Path
 ) -> None:

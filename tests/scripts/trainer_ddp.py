@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -93,8 +94,23 @@ def evaluation(data_dir: str, out: Path, tokenizer: Any) -> None:
     (out / f"evaluation.rank{rank}.json").write_text(json.dumps(report))
 
 
+def restore_indexed_cpu() -> None:
+    """Let ``torch.load`` restore storages onto ``cpu:0`` (a test-only fix of transformers 4.x on CPU).
+
+    transformers 4.x resumes a multi-process run by loading the optimizer state
+    with ``map_location=args.device``, which is ``cpu:0`` on CPU processes, and
+    torch restores only ``cpu``: every 2-process CPU resume fails there, with
+    any Trainer (5.x loads onto ``cpu``). GPUs are not affected.
+    """
+    torch.serialization.register_package(
+        30, lambda storage: None, lambda storage, location: storage if location.startswith("cpu:") else None
+    )
+
+
 def main() -> None:
     torch.set_num_threads(1)
+    if int(transformers.__version__.split(".")[0]) < 5:
+        restore_indexed_cpu()
     data_dir, out = sys.argv[1], Path(sys.argv[2])
     tokenizer = minilm_tokenizer()
     run("split", data_dir, out, tokenizer, oom_mode="split", where="forward", ranks=(1,))

@@ -1,10 +1,24 @@
-"""What a TokenBudgetTrainer checkpoint adds to Trainer's: where in the plan, under which budget."""
+"""What a TokenBudgetTrainer checkpoint adds to Trainer's: where in the plan, under which budget.
+
+:class:`CheckpointWriter`, a callback, writes :data:`STATE_FILE` into every
+checkpoint folder Trainer saves (``on_save``; on transformers 5 also
+``on_push_begin``, so that the folder is complete when it is pushed to the
+Hub). Resuming reads it back (:func:`read_state`), and :func:`sampler_resumes`
+stops Trainer from skipping batches itself: the sampler resumes at the next
+sample on its own.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import glob
 import json
 import os
+from collections.abc import Callable, Iterator
 from typing import Any
+
+from transformers import TrainerCallback
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from tokenbatch.oom import OOMFallback
 from tokenbatch.sampler import TokenBudgetBatchSampler
@@ -14,7 +28,7 @@ VERSION = 1
 
 
 def write_state(folder: str, state: dict[str, Any]) -> None:
-    """Write ``state`` into the checkpoint ``folder`` (before Trainer fills it: it is there when pushed)."""
+    """Write ``state`` into the checkpoint ``folder``."""
     os.makedirs(folder, exist_ok=True)
     with open(os.path.join(folder, STATE_FILE), "w") as handle:
         json.dump({"version": VERSION, **state}, handle, indent=1)
@@ -68,3 +82,53 @@ def checkpoint_state(
         "max_steps": max_steps,
         "schedule_length": schedule_length,
     }
+
+
+def checkpoint_folder(output_dir: str, global_step: int) -> str | None:
+    """The checkpoint folder Trainer saved last at ``global_step``: ``output_dir/checkpoint-N``.
+
+    Under a hyperparameter search it is ``output_dir/<run>/checkpoint-N``; the
+    newest such folder is the one just saved. None when there is none.
+    """
+    name = f"{PREFIX_CHECKPOINT_DIR}-{global_step}"
+    folders = [os.path.join(output_dir, name), *glob.glob(os.path.join(glob.escape(output_dir), "*", name))]
+    folders = [folder for folder in folders if os.path.isdir(folder)]
+    return max(folders, key=os.path.getmtime) if folders else None
+
+
+class CheckpointWriter(TrainerCallback):
+    """Writes ``state()`` (if not None) into each checkpoint folder Trainer saves, on the saving process."""
+
+    def __init__(self, state: Callable[[], dict[str, Any] | None]) -> None:
+        self.state = state
+
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._write(args, state)
+
+    def on_push_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._write(args, state)  # transformers 5 pushes the checkpoint folder before on_save
+
+    def _write(self, args: Any, trainer_state: Any) -> None:
+        if not args.should_save:
+            return
+        content = self.state()
+        folder = checkpoint_folder(args.output_dir, trainer_state.global_step)
+        if content is not None and folder is not None:
+            write_state(folder, content)
+
+
+@contextlib.contextmanager
+def sampler_resumes(args: Any, resuming: bool) -> Iterator[None]:
+    """While resuming: ``args.ignore_data_skip=True``, so that Trainer does not skip batches itself.
+
+    Trainer would skip ``global_step * gradient_accumulation_steps`` batches
+    of the DataLoader, counted as if every epoch had the same batches; the
+    sampler starts at the next sample itself (its state is in the checkpoint).
+    """
+    saved = args.ignore_data_skip
+    if resuming:
+        args.ignore_data_skip = True
+    try:
+        yield
+    finally:
+        args.ignore_data_skip = saved

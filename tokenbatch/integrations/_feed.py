@@ -1,21 +1,31 @@
-"""The batches of one epoch for the Trainer's loop, across halve-mode re-plans.
+"""What Trainer iterates as its training DataLoader: one epoch of the sampler's plan per pass, in full groups.
 
-Trainer's loop runs a fixed number of iterations over one DataLoader
-iterator and prefetches a gradient-accumulation group of batches ahead.
-Neither survives a re-plan: the iterator stops when the sampler's plan
-changes, and the prefetched batches came from the old plan. :class:`Feed`
-draws the epoch from :class:`~tokenbatch._epoch.EpochBatches` instead (the
-re-plan-aware iterator the OOM guard uses too), which numbers every batch
-with its step in the epoch's plan and restarts the DataLoader at the first
-step not yet trained; the feed swaps a prefetched batch from an outdated plan
-for the next batch of the new one when the Trainer hands it back for
-training, and counts the steps trained in the sampler's ``position``.
+Trainer's loop (every transformers version) calls ``set_epoch(epoch)`` on
+its training DataLoader, iterates it, takes ``gradient_accumulation_steps``
+batches at a time ahead of training them (one optimizer step per group), and
+runs a count of groups it fixes from ``len(dataloader)`` (or ``max_steps``
+when the loader has no length). A token-budget epoch has its own number of
+batches, and a halve-mode re-plan changes it mid-epoch. :class:`BudgetLoader`
+is what ``get_train_dataloader`` returns instead of the DataLoader:
+
+- its length (:class:`SizedBudgetLoader`, epoch-based runs) is a bound no
+  epoch reaches, and the run's callback ends each epoch when the plan is
+  trained (``control.should_epoch_stop``); with ``max_steps`` it has no
+  length, so Trainer runs epochs until ``max_steps``, as for an iterable dataset;
+- ``set_epoch(e)`` starts sampler epoch ``first + e`` (``first``: where a
+  resumed run starts; Trainer counts the epochs of this ``train()`` call from 0);
+- a pass is a :class:`Feed`: the epoch's batches drawn from
+  :class:`~tokenbatch._epoch.EpochBatches` (the re-plan-aware iterator the
+  OOM guard uses too), a group at a time, the last group filled with no-op
+  :class:`Padding` slots so that the optimizer steps at the epoch's end; a
+  batch prefetched from a plan that has since changed is swapped for the
+  next batch of the new plan when Trainer hands it to ``training_step``.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,14 +39,15 @@ from tokenbatch.sampler import TokenBudgetBatchSampler
 class Padding(dict[str, Any]):
     """A no-op slot that fills the last gradient-accumulation group of an epoch.
 
-    Its empty tensors count zero tokens and zero FLOPs in the Trainer's bookkeeping.
+    Its empty tensors count zero tokens, zero FLOPs and zero labelled items in
+    Trainer's bookkeeping; ``training_step`` trains nothing for it.
     """
 
 
 def padding(main_input_name: str) -> Padding:
     """A padding slot; ``main_input_name`` is the model's (its empty tensor counts for FLOPs)."""
     empty = torch.zeros((0, 0), dtype=torch.long)
-    return Padding({main_input_name: empty, "attention_mask": empty})
+    return Padding({main_input_name: empty, "attention_mask": empty, "labels": empty})
 
 
 @dataclass
@@ -44,40 +55,44 @@ class _Entry:
     batch: Any
     step: int | None  # None: a padding slot
     generation: int  # the sampler's plan generation when the batch was drawn
+    group_size: int  # the real batches of its group
 
 
 class Feed:
-    """This epoch's batches, each with its step in the plan, restartable after a re-plan."""
+    """One pass: the epoch's batches in groups, each with its step in the plan, restarted by a re-plan."""
 
-    def __init__(self, dataloader: Any, sampler: TokenBudgetBatchSampler) -> None:
+    def __init__(
+        self, dataloader: Any, sampler: TokenBudgetBatchSampler, *, accumulation: int, main_input_name: str
+    ) -> None:
         self.sampler = sampler
+        self.accumulation = accumulation
+        self.main_input_name = main_input_name
         self.batches: EpochBatches[Any] = EpochBatches(dataloader, sampler)
         self.pending: deque[_Entry] = deque()
-        """Batches handed to the Trainer and not yet back in ``training_step``, in order."""
+        """Slots handed to Trainer and not yet back in ``training_step``, in order."""
+        self.group_size = 1
+        """The real batches of the group of the slot last resolved (Trainer's loss divisor)."""
+
+    def slots(self) -> Iterator[Any]:
+        """The epoch in groups of ``accumulation`` slots; the last group is filled with padding."""
+        while True:
+            batches: list[tuple[Any, int]] = []
+            while len(batches) < self.accumulation and (item := self.next_batch()) is not None:
+                batches.append(item)
+            if not batches:
+                return
+            generation = self.sampler.position.generation
+            group = [_Entry(batch, step, generation, len(batches)) for batch, step in batches]
+            while len(group) < self.accumulation:
+                group.append(_Entry(padding(self.main_input_name), None, generation, len(batches)))
+            self.pending.extend(group)
+            for entry in group:
+                yield entry.batch
 
     def next_batch(self) -> tuple[Any, int] | None:
         """The next batch of the current plan and its step, or None at the epoch's end."""
         item = next(self.batches, None)
         return None if item is None else (item[1], item[0])
-
-    def take(self, count: int) -> list[Any]:
-        """Up to ``count`` batches (fewer at the end of the epoch)."""
-        batches: list[Any] = []
-        while len(batches) < count:
-            item = self.next_batch()
-            if item is None:
-                break
-            self.pending.append(_Entry(item[0], item[1], self.sampler.position.generation))
-            batches.append(item[0])
-        return batches
-
-    def pad(self, batches: list[Any], count: int, main_input_name: str) -> list[Any]:
-        """``batches`` filled up to ``count`` with padding slots."""
-        while len(batches) < count:
-            slot = padding(main_input_name)
-            self.pending.append(_Entry(slot, None, self.sampler.position.generation))
-            batches.append(slot)
-        return batches
 
     def resolve(self, inputs: Any) -> tuple[Any, int | None] | None:
         """What to train for ``inputs``: ``(batch, step)``, or None for a padding slot or the epoch's end.
@@ -89,6 +104,7 @@ class Feed:
         if not self.pending or self.pending[0].batch is not inputs:
             return None if isinstance(inputs, Padding) else (inputs, None)
         entry = self.pending.popleft()
+        self.group_size = entry.group_size
         if entry.generation != self.sampler.position.generation:
             return self.next_batch()
         return None if entry.step is None else (entry.batch, entry.step)
@@ -110,6 +126,61 @@ class Feed:
     def close(self) -> None:
         """Stop the DataLoader iterator (and unregister it from accelerate's gradient state)."""
         self.batches.close()
+
+
+class BudgetLoader:
+    """The training "DataLoader" Trainer sees: a :class:`Feed` per pass, started by ``set_epoch``.
+
+    ``dataloader`` is the prepared DataLoader over the sampler. A pass that
+    no ``set_epoch`` started (Trainer always calls it first) yields nothing,
+    so that a stray pass cannot move the sampler past a resumed position.
+    """
+
+    def __init__(
+        self, dataloader: Any, sampler: TokenBudgetBatchSampler, *, accumulation: int, main_input_name: str
+    ) -> None:
+        self.dataloader = dataloader
+        self.dataset = dataloader.dataset  # Trainer counts the examples from it
+        self.sampler = sampler
+        self.first_epoch = sampler.epoch
+        self.accumulation = accumulation
+        self.main_input_name = main_input_name
+        self.feed: Feed | None = None
+        """The running pass (None between epochs)."""
+        self._armed = False
+
+    def set_epoch(self, epoch: int) -> None:
+        """Trainer's ``epoch``-th epoch of this ``train()`` call: the sampler's ``first_epoch + epoch``."""
+        self.sampler.set_epoch(self.first_epoch + epoch)
+        self._armed = True
+
+    def __iter__(self) -> Iterator[Any]:
+        self.close()
+        if not self._armed:
+            return iter(())
+        self._armed = False
+        options: dict[str, Any] = {"accumulation": self.accumulation, "main_input_name": self.main_input_name}
+        self.feed = Feed(self.dataloader, self.sampler, **options)
+        return self.feed.slots()
+
+    def close(self) -> None:
+        """End the running pass, if any."""
+        feed, self.feed = self.feed, None
+        if feed is not None:
+            feed.close()
+
+
+class SizedBudgetLoader(BudgetLoader):
+    """A :class:`BudgetLoader` of length ``bound``: Trainer's count of batches per epoch, never reached."""
+
+    def __init__(
+        self, dataloader: Any, sampler: TokenBudgetBatchSampler, *, bound: int, **options: Any
+    ) -> None:
+        super().__init__(dataloader, sampler, **options)
+        self.bound = bound
+
+    def __len__(self) -> int:
+        return self.bound
 
 
 # -- predictions back in dataset order ---------------------------------------------

@@ -155,6 +155,7 @@ def check_supported(args: Any, oom_mode: str | None, *, sharded: bool) -> None:
             f"oom_mode={oom_mode!r} guards single-process and DDP training (accelerate launch, "
             f"torchrun), not DeepSpeed, FSDP or DataParallel; use oom_mode=None there"
         )
-    if getattr(args, "train_sampling_strategy", None) in ("group_by_length", "batch_rebalance"):
-        logger.warning("train_sampling_strategy=%r is ignored: batches follow the token budget",
-                       args.train_sampling_strategy)  # fmt: skip
+    strategy = getattr(args, "train_sampling_strategy", None)  # transformers 5; 4.x: group_by_length=True
+    if strategy in ("group_by_length", "batch_rebalance") or getattr(args, "group_by_length", False):
+        setting = f"train_sampling_strategy={strategy!r}" if strategy else "group_by_length=True"
+        logger.warning("%s is ignored: batches follow the token budget", setting)

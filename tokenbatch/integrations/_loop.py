@@ -1,45 +1,59 @@
-"""The token-budget training run inside transformers' ``Trainer`` loop (transformers 5).
+"""The token-budget training run inside transformers' ``Trainer`` loop, through its public extension points.
 
-Trainer's loop runs a count of optimizer steps fixed from
-``len(train_dataloader)`` and prefetches a group of
-``gradient_accumulation_steps`` batches at a time. :class:`BudgetLoop`
-overrides the loop's hooks: the count is a bound the epoch cannot reach, the
-epoch ends when the sampler's plan does (the batches come from a
-:class:`~tokenbatch.integrations._feed.Feed`), the last group is filled with
-no-op slots, and a batch prefetched before a halve-mode re-plan is swapped for
-the next batch of the new plan. The scheduler is built for the exact number of
-optimizer steps the plans of all epochs make; a halve-mode re-plan adds steps,
-and then ``state.max_steps`` grows so that no epoch is cut short and the
-schedule is stretched over the extra steps (see
-:class:`~tokenbatch.integrations._schedule.StretchedSchedule`). Checkpoints
-add where the sampler is and the budget in force; resuming reads them back.
+Trainer's loop is left as it is (transformers 4.50 to 5.x): it runs epochs over
+what ``get_train_dataloader`` returns, a group of
+``gradient_accumulation_steps`` batches per optimizer step, each batch through
+``training_step``. The pieces that make that loop follow a token-budget plan:
 
-This module is the one that depends on Trainer's private loop methods
-(``_run_epoch``, ``get_batch_samples``, ``set_initial_training_values``,
-``_init_training_state``); :class:`~tokenbatch.integrations.transformers.TokenBudgetTrainer`
-adds the settings, the DataLoaders and the public surface.
+- the training loader is a :class:`~tokenbatch.integrations._feed.BudgetLoader`:
+  each pass is one epoch of the sampler's plan in full groups (the last one
+  filled with no-op slots), re-plan-aware, and its length is a bound no epoch
+  reaches (no length with ``max_steps``);
+- :class:`~tokenbatch.integrations._schedule.RunProgress` (a callback) sets
+  ``state.max_steps`` to the exact number of optimizer steps of all epochs'
+  plans, ``state.epoch`` from the plan, and ends each epoch when its plan is trained;
+- ``create_scheduler`` builds the schedule for that exact count; a halve-mode
+  re-plan adds steps, and then ``state.max_steps`` grows so that no epoch is
+  cut short and the schedule is stretched over the extra steps (see
+  :class:`~tokenbatch.integrations._schedule.StretchedSchedule`);
+- ``training_step`` runs each batch under the :class:`~tokenbatch.OOMFallback`,
+  and swaps a batch prefetched before a halve-mode re-plan for the next batch of the new plan;
+- :class:`~tokenbatch.integrations._checkpoint.CheckpointWriter` (a callback)
+  adds where the sampler is and the budget in force to every checkpoint;
+  ``train(resume_from_checkpoint=...)`` reads them back, with Trainer's own
+  batch skipping off (the sampler starts at the next sample).
+
+No Trainer method with a leading underscore is overridden. What remains
+private: the guarded step calls ``Trainer._prepare_inputs`` (as
+``training_step`` does) and reads ``_loss_shifts_labels`` where it exists
+(transformers 5; 4.x counts labelled items unshifted), and a re-plan resizes
+the progress bar's ``training_bar``.
+:class:`~tokenbatch.integrations.transformers.TokenBudgetTrainer` adds the
+settings, the DataLoaders, evaluation and the public surface.
 """
 
 from __future__ import annotations
 
-import inspect
 import logging
-import math
 import os
-from collections.abc import Iterator
 from typing import Any, cast
 
 import torch
 from torch import nn
 from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
-from transformers import Trainer, TrainingArguments
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, TrainOutput, get_last_checkpoint
+from transformers import Trainer
+from transformers.trainer_utils import TrainOutput, get_last_checkpoint
 
 from tokenbatch.integrations import _schedule
-from tokenbatch.integrations._checkpoint import checkpoint_state, read_state, write_state
-from tokenbatch.integrations._feed import Feed
+from tokenbatch.integrations._checkpoint import (
+    CheckpointWriter,
+    checkpoint_state,
+    read_state,
+    sampler_resumes,
+)
+from tokenbatch.integrations._feed import BudgetLoader, Feed, SizedBudgetLoader
 from tokenbatch.integrations._guard import guarded_backward, make_fallback, share_loss
-from tokenbatch.integrations._schedule import EpochProgress, StretchedSchedule, planned_updates
+from tokenbatch.integrations._schedule import Run, RunProgress, StretchedSchedule, run_length
 from tokenbatch.oom import OOMFallback
 from tokenbatch.sampler import TokenBudgetBatchSampler
 
@@ -49,8 +63,8 @@ logger = logging.getLogger("tokenbatch.integrations.transformers")
 class BudgetLoop(Trainer):
     """Trainer's training loop over a token-budget sampler, with each step guarded by an ``OOMFallback``.
 
-    The subclass sets the settings below before calling ``__init__`` and sets
-    ``_sampler`` when it builds the training DataLoader.
+    The subclass sets the settings below before calling ``__init__``, and
+    passes its training DataLoader through ``_training_loader``.
     """
 
     max_tokens: float
@@ -59,24 +73,14 @@ class BudgetLoop(Trainer):
     min_tokens: float | None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        for name in (
-            "_run_epoch",
-            "get_batch_samples",
-            "set_initial_training_values",
-            "_init_training_state",
-        ):
-            if not hasattr(Trainer, name):
-                raise ImportError(f"TokenBudgetTrainer needs transformers>=5 (Trainer.{name} is missing)")
         self._sampler: TokenBudgetBatchSampler | None = None
+        self._run: Run | None = None
         self._fallback: OOMFallback | None = None
-        self._feed: Feed | None = None
         self._resume: dict[str, Any] | None = None
-        self._group_size = 1
-        self._schedule_length = 0
-        self._samples_since_log = 0
-        self._logged_step = 0
         super().__init__(*args, **kwargs)
-        self.add_callback(EpochProgress(lambda: self._sampler))
+        # First: every other callback (the progress bar, the user's) sees the run's true counts.
+        for callback in (CheckpointWriter(self._checkpoint_state), RunProgress(lambda: self._run)):
+            self.callback_handler.callbacks.insert(0, callback)
 
     def train(
         self,
@@ -85,51 +89,42 @@ class BudgetLoop(Trainer):
         ignore_keys_for_eval: list[str] | None = None,
     ) -> TrainOutput:
         """``Trainer.train``; a checkpoint to resume from must have been saved by TokenBudgetTrainer."""
-        self._fallback = self._resume = None
+        self._fallback = self._resume = self._run = None
         checkpoint: Any = resume_from_checkpoint
         if checkpoint is True:
             # None: Trainer raises its own error below
             checkpoint = get_last_checkpoint(self.args.output_dir)  # type: ignore[no-untyped-call]
         if isinstance(checkpoint, str | os.PathLike):
             self._resume = read_state(os.fspath(checkpoint), self.oom_mode)
-        return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval)
-
-    def set_initial_training_values(
-        self, args: TrainingArguments, dataloader: Any
-    ) -> tuple[int, int, int, int, int, int | None, int]:
-        values = super().set_initial_training_values(args, dataloader)
-        if self._sampler is None:
-            return values
-        epochs, _, examples, samples, total_batch, steps_in_epoch, max_steps = values
-        accumulation = args.gradient_accumulation_steps
-        per_epoch = planned_updates(self._sampler, 0, self.max_tokens, accumulation)
-        if args.max_steps > 0:  # a margin for shorter epochs: the run stops at max_steps anyway
-            epochs = math.ceil(args.max_steps / per_epoch * 1.05) + 1
-        elif self._resume is not None:
-            max_steps = int(self._resume["schedule_length"])
-        else:  # exact: the plans are pure functions of (seed, epoch)
-            max_steps = sum(
-                planned_updates(self._sampler, epoch, self.max_tokens, accumulation)
-                for epoch in range(epochs)
-            )
-        self._schedule_length = max_steps
-        return epochs, per_epoch, examples, samples, total_batch, steps_in_epoch, max_steps
-
-    def _init_training_state(self, *args: Any, **kwargs: Any) -> tuple[int, int]:
-        epochs_trained, steps = super()._init_training_state(*args, **kwargs)
-        sampler = self._sampler
-        if sampler is None:
-            return epochs_trained, steps
-        if self._resume is not None:
             if self.args.ignore_data_skip:
                 logger.warning("ignore_data_skip=True is ignored: the sampler resumes at the next sample")
-            epochs_trained = sampler.epoch
-            if self.args.max_steps <= 0:
-                self.state.max_steps = int(self._resume["max_steps"])
-        self._samples_since_log, self._logged_step = 0, self.state.global_step
-        return epochs_trained, 0  # Trainer must not skip batches: the sampler starts at the right one
+        with sampler_resumes(self.args, self._resume is not None):
+            return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval)
+
+    def _training_loader(self, loader: Any, sampler: TokenBudgetBatchSampler) -> BudgetLoader:
+        """What Trainer trains on: ``loader`` (the prepared DataLoader over ``sampler``) as a BudgetLoader."""
+        if self._resume is not None:
+            sampler.load_state_dict(self._resume["sampler"])
+            if len(sampler) == 0:  # saved at the end of an epoch: resume at the start of the next
+                sampler.set_epoch(sampler.epoch + 1)
+        self._sampler = sampler
+        args = self.args
+        options: dict[str, Any] = {
+            "accumulation": args.gradient_accumulation_steps,
+            "main_input_name": getattr(self.model, "main_input_name", "input_ids"),
+        }
+        if args.max_steps > 0:  # no length: Trainer runs epochs until max_steps
+            budget_loader = BudgetLoader(loader, sampler, **options)
+        else:  # more batches than all epochs hold: Trainer counts its epochs from 0 even when resuming
+            bound = args.gradient_accumulation_steps * (int(args.num_train_epochs) * len(sampler.lengths) + 1)
+            budget_loader = SizedBudgetLoader(loader, sampler, bound=bound, **options)
+        schedule_length, max_steps = run_length(sampler, args, self.max_tokens, self._resume)
+        self._run = Run(budget_loader, schedule_length, max_steps, resumed=self._resume is not None)
+        return budget_loader
 
     def create_scheduler(self, num_training_steps: int, optimizer: Any = None) -> LRScheduler:
+        if self._run is not None:  # Trainer's count comes from the loader's bound
+            num_training_steps = self._run.schedule_length
         scheduler = super().create_scheduler(num_training_steps, optimizer)
         # Metric-driven schedulers (ReduceLROnPlateau, GreedyLR) do not count steps: nothing to stretch.
         stepped = isinstance(scheduler, LRScheduler) and not isinstance(scheduler, ReduceLROnPlateau)
@@ -138,38 +133,7 @@ class BudgetLoop(Trainer):
             self.lr_scheduler = cast(Any, StretchedSchedule(scheduler, num_training_steps))
         return cast(LRScheduler, self.lr_scheduler)
 
-    def _run_epoch(self, *args: Any, **kwargs: Any) -> Any:
-        if self._sampler is None:
-            return super()._run_epoch(*args, **kwargs)  # type: ignore[no-untyped-call]
-        bound = inspect.signature(super()._run_epoch).bind(*args, **kwargs)
-        values = bound.arguments
-        self._sampler.set_epoch(values["epoch"])
-        self._feed = Feed(values["train_dataloader"], self._sampler)
-        # A count of groups no epoch reaches (every step holds a sample): get_batch_samples ends the epoch.
-        groups = len(self._sampler.lengths) + 1
-        values["num_update_steps_per_epoch"] = groups
-        values["steps_in_epoch"] = groups * self.args.gradient_accumulation_steps
-        try:
-            return super()._run_epoch(*bound.args, **bound.kwargs)  # type: ignore[no-untyped-call]
-        finally:
-            self._feed.close()
-            self._feed = None
-
-    def get_batch_samples(
-        self, epoch_iterator: Iterator[Any], num_batches: int, device: torch.device
-    ) -> tuple[list[Any], torch.Tensor | int | None]:
-        feed = self._feed
-        if feed is None:
-            return super().get_batch_samples(epoch_iterator, num_batches, device)
-        batches = feed.take(num_batches)
-        if not batches:
-            self.control.should_epoch_stop = True
-            return [], None
-        _, num_items = super().get_batch_samples(iter(batches), len(batches), device)
-        self._group_size = len(batches)
-        # Full groups only: Trainer steps the optimizer at the end of a group of gradient_accumulation_steps.
-        main_input = getattr(self.model, "main_input_name", "input_ids")
-        return feed.pad(batches, num_batches, main_input), num_items
+    # -- the training step -----------------------------------------------------------
 
     def training_step(
         self,
@@ -177,11 +141,11 @@ class BudgetLoop(Trainer):
         inputs: dict[str, torch.Tensor | Any],
         num_items_in_batch: torch.Tensor | int | None = None,
     ) -> torch.Tensor:
-        feed = self._feed
+        feed = None if self._run is None else self._run.loader.feed
         if feed is None:
             return super().training_step(model, inputs, num_items_in_batch)
-        self.current_gradient_accumulation_steps = self._group_size  # real batches, not padding slots
         item = feed.resolve(inputs)
+        self.current_gradient_accumulation_steps = feed.group_size  # real batches, not padding slots
         replanned = False
         loss = None
         while item is not None:
@@ -192,7 +156,8 @@ class BudgetLoop(Trainer):
                 loss = self._guarded_step(model, batch, num_items_in_batch)
             if loss is not None:
                 if step is not None:
-                    self._samples_since_log += feed.mark_trained(step)
+                    assert self._run is not None
+                    self._run.samples_since_log += feed.mark_trained(step)
                 break
             replanned = True  # halve mode: the rest of the epoch was re-planned from this batch on
             feed.restart()
@@ -267,26 +232,26 @@ class BudgetLoop(Trainer):
         return self._sampler.max_tokens if self._sampler is not None else self.max_tokens
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        if self._sampler is not None and "loss" in logs and self.state.global_step > self._logged_step:
-            steps = self.state.global_step - self._logged_step
+        run = self._run
+        if run is not None and "loss" in logs and self.state.global_step > run.logged_step:
+            steps = self.state.global_step - run.logged_step
             logs = {
                 **logs,
                 "max_tokens": self._budget(),
-                "step_samples": self._samples_since_log / steps,
+                "step_samples": run.samples_since_log / steps,
                 "oom_events": float(0 if self._fallback is None else len(self._fallback.events)),
             }
-            self._samples_since_log, self._logged_step = 0, self.state.global_step
+            run.samples_since_log, run.logged_step = 0, self.state.global_step
         super().log(logs, start_time)
 
-    def _save_checkpoint(self, model: nn.Module, trial: Any) -> None:
-        if self._sampler is not None and self.args.should_save:
-            name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
-            state = checkpoint_state(
-                oom_mode=self.oom_mode,
-                sampler=self._sampler,
-                fallback=self._fallback,
-                max_steps=self.state.max_steps,
-                schedule_length=self._schedule_length,
-            )
-            write_state(os.path.join(self._get_output_dir(trial=trial), name), state)
-        super()._save_checkpoint(model, trial)
+    def _checkpoint_state(self) -> dict[str, Any] | None:
+        """What ``CheckpointWriter`` adds to a checkpoint of this run (None outside a token-budget run)."""
+        if self._run is None or self._sampler is None:
+            return None
+        return checkpoint_state(
+            oom_mode=self.oom_mode,
+            sampler=self._sampler,
+            fallback=self._fallback,
+            max_steps=self.state.max_steps,
+            schedule_length=self._run.schedule_length,
+        )

@@ -3,7 +3,8 @@
 Trainer sizes the run (``state.max_steps``, the scheduler's length) from
 ``len(train_dataloader)`` once. Here the plans of all epochs count instead:
 they are pure functions of (seed, epoch, budget), so the exact number of
-optimizer steps is known before training. A halve-mode re-plan makes the rest
+optimizer steps is known before training (:func:`run_length`), and
+:class:`RunProgress`, a callback, makes Trainer's state say so. A halve-mode re-plan makes the rest
 of training take more steps (smaller batches): :func:`grow_run` then raises
 ``state.max_steps`` so that no epoch is cut short, and :class:`StretchedSchedule`
 spreads the rest of the original schedule over the new steps, rather than
@@ -15,10 +16,12 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from transformers import TrainerCallback
 
+from tokenbatch.integrations._feed import BudgetLoader
 from tokenbatch.sampler import TokenBudgetBatchSampler
 
 logger = logging.getLogger("tokenbatch.integrations.transformers")
@@ -113,16 +116,88 @@ class StretchedSchedule:
         return getattr(self.scheduler, name)
 
 
-class EpochProgress(TrainerCallback):
-    """Sets ``state.epoch`` from the share of the epoch's plan trained (Trainer assumes a fixed count).
+@dataclass
+class Run:
+    """One ``train()`` call of a token-budget run: its loader and lengths, and the counts its logs need."""
 
-    ``sampler`` gives the training sampler, or None before there is one.
+    loader: BudgetLoader
+    schedule_length: int
+    """Optimizer steps the learning-rate schedule is built for (the plans' count at the start of the run)."""
+    max_steps: int
+    """The run's optimizer steps: ``schedule_length``, or a resumed run's (grown by re-plans or not)."""
+    resumed: bool
+    samples_since_log: int = 0
+    logged_step: int = 0
+
+
+def run_length(
+    sampler: TokenBudgetBatchSampler, args: Any, max_tokens: float, resume: dict[str, Any] | None
+) -> tuple[int, int]:
+    """``(schedule_length, max_steps)`` of a run over ``sampler`` with ``TrainingArguments`` ``args``.
+
+    ``args.max_steps`` when set; else a resumed run's saved counts; else
+    exact: the plans under ``max_tokens`` are pure functions of (seed, epoch).
+    """
+    if args.max_steps > 0:
+        return args.max_steps, args.max_steps
+    if resume is not None:
+        return int(resume["schedule_length"]), int(resume["max_steps"])
+    accumulation = args.gradient_accumulation_steps
+    epochs = int(args.num_train_epochs)
+    total = sum(planned_updates(sampler, epoch, max_tokens, accumulation) for epoch in range(epochs))
+    return total, total
+
+
+class RunProgress(TrainerCallback):
+    """Trainer's counts made true for a token-budget run (``run()`` gives it; None: not one).
+
+    Trainer sizes the run from the loader's length (a bound, see
+    :mod:`tokenbatch.integrations._feed`) and assumes a fixed count of batches
+    per epoch: at the start of training this sets ``state.max_steps`` (and the
+    logging, evaluation and saving steps given as a share of it) to the plans'
+    count; after each optimizer step it sets ``state.epoch`` from the share of
+    the epoch's plan trained, and ends the epoch once the plan is trained.
+    Put it before Trainer's own callbacks (the progress bar reads ``max_steps``).
     """
 
-    def __init__(self, sampler: Callable[[], TokenBudgetBatchSampler | None]) -> None:
-        self.sampler = sampler
+    def __init__(self, run: Callable[[], Run | None]) -> None:
+        self.run = run
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        run = self.run()
+        if run is None:
+            return
+        run.samples_since_log, run.logged_step = 0, state.global_step
+        if args.max_steps > 0:
+            return
+        if not run.resumed:  # a resumed state has them from the run that saved it
+            for kind in ("logging", "eval", "save"):  # a share of the run, as Trainer resolves it
+                share = getattr(args, f"{kind}_steps", None)
+                if share is not None and share < 1:
+                    setattr(state, f"{kind}_steps", math.ceil(run.schedule_length * share))
+        state.max_steps = run.max_steps
+        logger.info(
+            "max_tokens=%g: %d optimizer steps over %d epochs, as the token-budget plans make them "
+            "(Trainer's counts above assume batches of a fixed size)",
+            run.loader.sampler.max_tokens,
+            run.max_steps,
+            int(args.num_train_epochs),
+        )
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        sampler = self.sampler()
-        if sampler is not None:
-            state.epoch = sampler.epoch + sampler.position.trained / max(1, sampler.plan.num_steps)
+        run = self.run()
+        if run is None:
+            return
+        sampler = run.loader.sampler
+        steps = sampler.plan.num_steps
+        state.epoch = sampler.epoch + sampler.position.trained / max(1, steps)
+        if run.loader.feed is not None and sampler.position.trained >= steps:
+            control.should_epoch_stop = True  # the plan is trained: Trainer's count of batches is a bound
+
+    def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        run = self.run()
+        if run is not None:
+            run.loader.close()
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.on_epoch_end(args, state, control)

@@ -14,6 +14,8 @@ How it fits Trainer's loop is :mod:`tokenbatch.integrations._loop`'s business.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from functools import partial
 from typing import Any, cast
 
 from tokenbatch import _checks
@@ -22,10 +24,21 @@ from tokenbatch.oom import MODES, EvalGuard, OOMEvent, OOMFallback
 from tokenbatch.plan import OVERSIZE_POLICIES
 from tokenbatch.sampler import TokenBudgetBatchSampler
 
+MIN_TRANSFORMERS = "4.50"
+"""The oldest transformers TokenBudgetTrainer is tested with (pyproject.toml's bound; .ci/run tests it)."""
+
 try:
     import torch
+    import transformers
+    from packaging.version import Version
     from torch import nn
     from torch.utils.data import DataLoader
+
+    if Version(transformers.__version__) < Version(MIN_TRANSFORMERS):
+        raise ImportError(
+            f"tokenbatch.integrations.transformers needs transformers>={MIN_TRANSFORMERS}, but "
+            f"transformers {transformers.__version__} is installed: pip install 'tokenbatch[transformers]'"
+        )
     from transformers.trainer_utils import EvalLoopOutput, PredictionOutput
 
     from tokenbatch.integrations._checkpoint import STATE_FILE
@@ -34,7 +47,9 @@ try:
     from tokenbatch.integrations._feed import inverse_order, reorder
     from tokenbatch.integrations._guard import check_supported, labelled_items
     from tokenbatch.integrations._loop import BudgetLoop
-except ImportError as error:  # pragma: no cover - the extra is not installed
+except ImportError as error:  # pragma: no cover - the extra is not installed, or too old
+    if "needs transformers>=" in str(error):
+        raise
     raise ImportError(
         "tokenbatch.integrations.transformers needs transformers and accelerate: "
         "pip install 'tokenbatch[transformers]'"
@@ -126,6 +141,7 @@ class TokenBudgetTrainer(BudgetLoop):
             "oversize": _checks.one_of("oversize", oversize, OVERSIZE_POLICIES),
         }
         self._test_order: Any = None
+        self._eval_loaders: dict[str, Any] = {}  # with dataloader_persistent_workers
         self._eval_guard: EvalGuard | None = None
         self._eval_loss: EvalLoss | None = None
         super().__init__(*args, **kwargs)
@@ -157,13 +173,14 @@ class TokenBudgetTrainer(BudgetLoop):
     # -- data --------------------------------------------------------------------------
 
     def _budget_dataloader(
-        self, dataset: Any, description: str, max_tokens: float, *, training: bool
+        self, dataset: Any, plain: Callable[[], Any], max_tokens: float, *, training: bool
     ) -> tuple[Any, TokenBudgetBatchSampler]:
         """A DataLoader over ``dataset`` batched by ``max_tokens``, prepared by the accelerator.
 
-        Mirrors ``Trainer._get_dataloader`` (column removal, collator, worker
-        settings), with the sampler as ``batch_sampler``; the sampler yields the
-        global plan, which accelerate's ``BatchSamplerShard`` shares out by rank.
+        ``plain()`` is Trainer's own DataLoader for ``dataset``: its dataset
+        (unused columns removed) and its collator are kept, with the sampler as
+        ``batch_sampler``; the sampler yields the global plan, which
+        accelerate's ``BatchSamplerShard`` shares out by rank.
         """
         names = getattr(self.processing_class, "model_input_names", None)
         lengths = dataset_lengths(dataset, self.args.length_column_name, names[0] if names else "input_ids")
@@ -176,46 +193,39 @@ class TokenBudgetTrainer(BudgetLoop):
             training=training,
             options=self.sampler_options,
         )
-        collator = self.data_collator
-        if hasattr(dataset, "column_names") and hasattr(dataset, "remove_columns"):
-            dataset = self._remove_unused_columns(dataset, description=description)
-        else:
-            collator = self._get_collator_with_removed_columns(collator, description=description)
+        base = plain()
         options = loader_options(self.args, training=training)
-        loader = DataLoader(dataset, batch_sampler=sampler, collate_fn=collator, **options)
+        loader = DataLoader(base.dataset, batch_sampler=sampler, collate_fn=base.collate_fn, **options)
         return self.accelerator.prepare(loader), sampler
 
     def get_train_dataloader(self) -> Any:
+        """What Trainer trains on: a :class:`~tokenbatch.integrations._feed.BudgetLoader` over the plan."""
         if self.train_dataset is None:
             raise ValueError("Trainer: training requires a train_dataset.")
         loader, sampler = self._budget_dataloader(
-            self.train_dataset, "Training", self.max_tokens, training=True
+            self.train_dataset, super().get_train_dataloader, self.max_tokens, training=True
         )
-        if self._resume is not None:
-            sampler.load_state_dict(self._resume["sampler"])
-            if len(sampler) == 0:  # saved at the end of an epoch: resume at the start of the next
-                sampler.set_epoch(sampler.epoch + 1)
-        self._sampler = sampler
-        return loader
+        return self._training_loader(loader, sampler)
 
     def get_eval_dataloader(self, eval_dataset: Any = None) -> Any:
         if eval_dataset is None and self.eval_dataset is None:
             raise ValueError("Trainer: evaluation requires an eval_dataset.")
         key = eval_dataset if isinstance(eval_dataset, str) else "eval"
-        cached = getattr(self, "_eval_dataloaders", {})
-        if self.args.dataloader_persistent_workers and key in cached:
-            return cached[key]
+        if self.args.dataloader_persistent_workers and key in self._eval_loaders:
+            return self._eval_loaders[key]
         if isinstance(eval_dataset, str):
             dataset = cast(dict[str, Any], self.eval_dataset)[eval_dataset]
         else:
             dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
-        loader, _ = self._budget_dataloader(dataset, "Evaluation", self.eval_max_tokens, training=False)
+        plain = partial(super().get_eval_dataloader, eval_dataset)
+        loader, _ = self._budget_dataloader(dataset, plain, self.eval_max_tokens, training=False)
         if self.args.dataloader_persistent_workers:
-            self._eval_dataloaders = {**cached, key: loader}
+            self._eval_loaders[key] = loader
         return loader
 
     def get_test_dataloader(self, test_dataset: Any) -> Any:
-        loader, sampler = self._budget_dataloader(test_dataset, "test", self.eval_max_tokens, training=False)
+        plain = partial(super().get_test_dataloader, test_dataset)
+        loader, sampler = self._budget_dataloader(test_dataset, plain, self.eval_max_tokens, training=False)
         self._test_order = sampler.plan.order.copy()
         return loader
 
