@@ -125,6 +125,8 @@ class BatchScaledLR:
                 scheduler.step()  # sees and sets the unscaled rate
                 optimizer.zero_grad()
 
+    (``fallback.step(optimizer)``, the guarded step, goes in the block the same way.)
+
     >>> import torch
     >>> optimizer = torch.optim.SGD(torch.nn.Linear(4, 2).parameters(), lr=0.1)
     >>> scaling = BatchScaledLR(optimizer, reference=32, rule="linear")
