@@ -17,9 +17,12 @@ Per epoch: wall time, real tokens per second, optimizer steps, validation
 macro-F1; the wall time until validation macro-F1 first reaches ``--target``,
 and until it reaches the best F1 that both the arm and the seed reach. Larger
 token-budget batches take fewer steps per epoch, so ``--tokenbatch_lrs`` adds
-arms with larger learning rates. Last, an interleaved check trains both
-batchings in alternating chunks of one run, for a tokens/s ratio that the
-load of other processes on the machine cannot skew.
+arms with larger learning rates, and ``--lr_scaling`` arms at the seed's
+learning rate scaled per step by ``tokenbatch.BatchScaledLR`` (the step's
+samples against the seed's batch on all processes). Last, an interleaved check
+trains both batchings in alternating chunks of one run, for a tokens/s ratio
+that the load of other processes on the machine cannot skew (``--rounds 0``
+skips it).
 
     python -m benchmarks.training --quick     # a few minutes, mostly process start-up
     python -m benchmarks.training             # the whole training set, 3 epochs: hours on 2 shared cores
@@ -99,19 +102,25 @@ def time_to(epochs: list[dict[str, Any]], target: float) -> float | None:
 def run_arms(args: argparse.Namespace, shared: list[str], budget: float, work: Path) -> dict[str, Any]:
     """Train every arm in turn under ``accelerate launch``; their per-epoch records by label."""
     arms: dict[str, Any] = {}
-    runs = [("seed", args.learning_rate, args.epochs)]
-    runs += [("tokenbatch", float(lr), args.tokenbatch_epochs) for lr in args.tokenbatch_lrs.split(",")]
-    for kind, lr, epochs in runs:
-        label = f"{kind} lr={lr:g}"
-        out = work / f"{kind}-lr{lr:g}.json"
+    runs = [("seed", args.learning_rate, args.epochs, "")]
+    lrs = [float(lr) for lr in args.tokenbatch_lrs.split(",") if lr]
+    runs += [("tokenbatch", lr, args.tokenbatch_epochs, "") for lr in lrs]
+    rules = [rule for rule in (args.lr_scaling or "").split(",") if rule]
+    runs += [("tokenbatch", args.learning_rate, args.tokenbatch_epochs, rule) for rule in rules]
+    for kind, lr, epochs, rule in runs:
+        label = f"{kind} lr={lr:g}" + (f" {rule}-scaled" if rule else "")
+        stem = f"{kind}-lr{lr:g}" + (f"-{rule}" if rule else "")
+        out = work / f"{stem}.json"
         settings = ["--learning_rate", str(lr), "--num_epochs", str(epochs), "--output_json", str(out)]
         if kind == "seed":
             script = [*WORKERS, "seed", "--batch_size", str(args.batch_size)]
         else:
             script = [*WORKERS, "tokenbatch", "--max_tokens", str(budget)]
+        if rule:  # the reference: the seed's batch over all processes, in samples
+            script += ["--lr_scaling", rule, "--lr_reference", str(args.batch_size * args.processes)]
         print(f"running {label} ...", flush=True)
         start = time.perf_counter()
-        launch([*script, *shared, *settings], args.processes, work / f"{kind}-lr{lr:g}.log")
+        launch([*script, *shared, *settings], args.processes, work / f"{stem}.log")
         arms[label] = json.loads(out.read_text())
         arms[label]["process_seconds"] = time.perf_counter() - start
         print(f"  done in {arms[label]['process_seconds']:.0f} s", flush=True)
@@ -178,6 +187,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--tokenbatch_lrs", help="learning rates of the tokenbatch arms (default 5e-5,1e-4,2e-4)"
     )
+    parser.add_argument(
+        "--lr_scaling",
+        help="BatchScaledLR rules (linear, sqrt, comma-separated) of tokenbatch arms at --learning_rate",
+    )
     parser.add_argument("--epochs", type=int, help="the seed's epochs (default 3; 1 with --quick)")
     parser.add_argument(
         "--tokenbatch_epochs", type=int, help="epochs of the tokenbatch arms (default --epochs)"
@@ -185,7 +198,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--train_limit", type=int, help="default all 16000 (240 with --quick)")
     parser.add_argument("--eval_limit", type=int, help="default all 2000 (200 with --quick)")
     parser.add_argument(
-        "--rounds", type=int, help="chunks per arm in the throughput check (6; 2 with --quick)"
+        "--rounds", type=int, help="chunks per arm in the throughput check (6; 2 with --quick; 0: skip it)"
     )
     parser.add_argument("--target", type=float, default=0.85, help="the validation macro-F1 to time")
     parser.add_argument("--processes", type=int, default=2)
@@ -201,7 +214,7 @@ def main(argv: list[str] | None = None) -> None:
     args.train_limit = args.train_limit or (240 if args.quick else None)
     args.eval_limit = args.eval_limit or (200 if args.quick else None)
     args.tokenbatch_lrs = args.tokenbatch_lrs or ("5e-5" if args.quick else "5e-5,1e-4,2e-4")
-    args.rounds = args.rounds or (2 if args.quick else 6)
+    args.rounds = (2 if args.quick else 6) if args.rounds is None else args.rounds
     model = common.minilm_path()
     budget, longest, crossover = worst_case_budget(model, data / "emotion", args.train_limit, args.batch_size)
     shared = ["--model_name", model, "--data_dir", str(data / "emotion"), "--seed", str(args.seed)]
@@ -211,7 +224,7 @@ def main(argv: list[str] | None = None) -> None:
     work.mkdir(parents=True, exist_ok=True)
 
     arms = run_arms(args, shared, budget, work)
-    throughput = run_throughput(args, shared, budget, work)
+    throughput = run_throughput(args, shared, budget, work) if args.rounds else None
     rows, summary = summarize(arms, f"seed lr={args.learning_rate:g}", args.target)
     columns = ["arm", "epoch", "epoch_seconds", "elapsed_seconds", "tokens_per_second", "optimizer_steps"]
     summary_columns = ["arm", "median_tokens_per_second", "tokens_per_second_vs_seed", "best_macro_f1"]
@@ -224,7 +237,7 @@ def main(argv: list[str] | None = None) -> None:
             f"(the cost of {args.batch_size} copies of the longest text, {longest} tokens, attention "
             f"crossover {crossover:.0f}), {args.tokenbatch_epochs} epochs. Other agents share this CPU, "
             "so absolute times drift; the interleaved check gives the fairer tokens/s ratio.",
-            common.markdown_table(rows, [*columns, "loss", "macro_f1"]),
+            common.markdown_table(rows, [*columns, "lr_scale_mean", "loss", "macro_f1"]),
             f"Wall time (training and validation, summed over epochs) to validation macro-F1 "
             f"{args.target} ('-': not reached), and to the best macro-F1 both the arm and the seed reached:",
             common.markdown_table(
@@ -234,12 +247,15 @@ def main(argv: list[str] | None = None) -> None:
                 ],
                 summary_columns,
             ),
-            f"Interleaved throughput check ({args.rounds} alternating chunks per arm in one run, same model "
-            f"and loop): seed {throughput['seed_tokens_per_second']:.0f} real tokens/s, tokenbatch "
-            f"{throughput['tokenbatch_tokens_per_second']:.0f}; median paired ratio "
-            f"{throughput['paired_ratio_median']:.2f}x.",
         ]
     )
+    if throughput is not None:
+        markdown += (
+            f"\n\nInterleaved throughput check ({args.rounds} alternating chunks per arm in one run, same "
+            f"model and loop): seed {throughput['seed_tokens_per_second']:.0f} real tokens/s, tokenbatch "
+            f"{throughput['tokenbatch_tokens_per_second']:.0f}; median paired ratio "
+            f"{throughput['paired_ratio_median']:.2f}x."
+        )
     settings = {k: v for k, v in vars(args).items() if k != "out"}
     settings.update(max_tokens=budget, longest=longest, crossover=crossover)
     # One row per arm (and per interleaved measurement) for benchmarks.report's tokens/s plot.
@@ -253,6 +269,7 @@ def main(argv: list[str] | None = None) -> None:
             "tokens_per_s": throughput[f"{arm}_tokens_per_second"],
         }
         for arm in ("seed", "tokenbatch")
+        if throughput is not None
     ]
     results = {
         "settings": settings,

@@ -11,13 +11,15 @@ and validation macro-F1 with every text scored once.
 - ``seed``: the blog post's loop, shuffled fixed batches inside accelerate's
   ``find_executable_batch_size``;
 - ``tokenbatch``: the example's loop (``examples/emotion/train.py``): token-budget
-  batches under ``OOMFallback``;
+  batches under ``OOMFallback``, with ``--lr_scaling`` each step's learning rate
+  scaled by its samples against ``--lr_reference`` (``tokenbatch.BatchScaledLR``);
 - ``throughput``: both batchings in alternating chunks of one run.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import sys
@@ -31,7 +33,7 @@ from accelerate.utils import find_executable_batch_size, set_seed
 from torch import nn
 from torch.utils.data import DataLoader
 
-from tokenbatch import CostModel, OOMFallback, TokenBudgetBatchSampler, column_lengths
+from tokenbatch import BatchScaledLR, CostModel, OOMFallback, TokenBudgetBatchSampler, column_lengths
 from tokenbatch.integrations.accelerate import finish, gather_samples
 
 MAX_LENGTH = 512
@@ -188,7 +190,11 @@ def seed_worker(argv: list[str]) -> None:
 
 def tokenbatch_worker(argv: list[str]) -> None:
     """The example's loop: token-budget batches under OOMFallback, validation batched the same way."""
-    args = options(argv, ("--max_tokens", float), ("--learning_rate", float), ("--oom_mode", str))
+    args = options(
+        argv,
+        *(("--max_tokens", float), ("--learning_rate", float), ("--oom_mode", str)),
+        *(("--lr_scaling", str), ("--lr_reference", float)),
+    )
     accelerator = Accelerator()
     results = train_tokenbatch(args, accelerator)  # returns: its references to the DDP model go first
     if accelerator.is_main_process:
@@ -216,16 +222,21 @@ def train_tokenbatch(args: argparse.Namespace, accelerator: Accelerator) -> dict
         model, optimizer, train_loader, eval_loader
     )
     fallback = OOMFallback(sampler, model, accelerator=accelerator, mode=args.oom_mode or "split")
+    # Unset: no scaling object at all, so the unscaled arms run exactly the loop they always ran.
+    scaling = args.lr_scaling and BatchScaledLR(optimizer, reference=args.lr_reference, rule=args.lr_scaling)
     results: dict[str, Any] = {"epochs": [], "world_size": accelerator.num_processes, "crossover": crossover}
     for epoch in range(args.num_epochs):
         sampler.set_epoch(epoch)
         model.train()
         start = time.perf_counter()
-        loss_sum, steps, tokens = 0.0, 0, 0
+        loss_sum, steps, tokens, scales = 0.0, 0, 0, []
         for batch in fallback.iterate(train_loader):
             loss = fallback.backward(batch, lambda b: model(**b)[0])
             if loss is not None:  # None: this step hit OOM in halve mode and is re-planned
-                optimizer.step()
+                applied = scaling and scaling.applied(scaling.step_size(batch))
+                with applied or contextlib.nullcontext(1.0) as scale:
+                    optimizer.step()
+                scales.append(scale)
                 optimizer.zero_grad()
                 loss_sum += float(loss)
                 steps += 1
@@ -244,6 +255,9 @@ def train_tokenbatch(args: argparse.Namespace, accelerator: Accelerator) -> dict
             "real_tokens": int(totals[2]),
             "tokens_per_second": float(totals[2]) / train_seconds,
             "optimizer_steps": steps,
+            "lr_scale_mean": sum(scales) / max(len(scales), 1),
+            "lr_scale_min": min(scales, default=1.0),
+            "lr_scale_max": max(scales, default=1.0),
             "max_tokens": float(fallback.max_tokens),
             "sampler_max_tokens": float(sampler.max_tokens),
             "oom_events": len(fallback.events),

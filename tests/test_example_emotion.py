@@ -115,7 +115,11 @@ def test_one_process_split(
     tmp_path: Path, emotion_data_dir: Path, minilm_path: str, train_tokens: int
 ) -> None:
     done, metrics = run_example(
-        tmp_path, emotion_data_dir, minilm_path, 1, "--oom_mode", "split", "--simulate_oom_above", "700"
+        tmp_path,
+        emotion_data_dir,
+        minilm_path,
+        1,
+        *("--oom_mode", "split", "--simulate_oom_above", "700", "--lr_scaling", "sqrt"),
     )
     check_run(done, metrics, train_tokens)
     assert metrics["world_size"] == 1
@@ -125,7 +129,7 @@ def test_one_process_split(
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "mode, where, rank",
-    [("split", "backward", "1"), ("halve", "forward", "0")],
+    [("split", "backward", "1"), ("halve", "forward", "0")],  # the first with the lr scaled per step
     ids=["split-backward-rank1", "halve-forward-rank0"],
 )
 def test_two_processes(
@@ -145,6 +149,7 @@ def test_two_processes(
         2,
         *("--oom_mode", mode, "--simulate_oom_above", "700"),
         *("--simulate_oom_where", where, "--simulate_oom_rank", rank),
+        *(("--lr_scaling", "linear") if mode == "split" else ()),  # a global count in every step
     )
     check_run(done, metrics, train_tokens)
     assert metrics["world_size"] == 2
@@ -191,9 +196,9 @@ def test_help_shows_every_default(tmp_path: Path) -> None:
     )
     assert done.returncode == 0, done.stderr[-3000:]
     text = " ".join(done.stdout.split())  # argparse wraps the help lines
-    for default in ("bert-base-cased", "512", "16384", "split", "forward", "5e-05", "None"):
+    for default in ("bert-base-cased", "512", "16384", "split", "forward", "5e-05", "None", "none", "32"):
         assert f"(default: {default})" in text, default
-    assert text.count("(default: ") == 16, text  # every option but --help
+    assert text.count("(default: ") == 18, text  # every option but --help
 
 
 def test_rejects_a_budget_that_is_not_positive(tmp_path: Path) -> None:

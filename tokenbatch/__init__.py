@@ -2,6 +2,7 @@
 
 from tokenbatch.cost import CostModel
 from tokenbatch.lengths import column_lengths, text_lengths
+from tokenbatch.lr import BatchScaledLR, count_batch, global_count, global_token_count
 from tokenbatch.oom import OOMEvent, OOMFallback, RankFailedError, SampleTooLargeError, is_oom
 from tokenbatch.plan import OversizeSampleError
 from tokenbatch.probe import BudgetCache, BudgetKey, ProbeResult, find_max_tokens, remember_budget
@@ -12,6 +13,7 @@ from tokenbatch.stream import TokenBudgetStream
 __version__ = "0.1.0"
 
 __all__ = [
+    "BatchScaledLR",
     "BudgetCache",
     "BudgetKey",
     "CostModel",
@@ -26,7 +28,10 @@ __all__ = [
     "TokenBudgetStream",
     "__version__",
     "column_lengths",
+    "count_batch",
     "find_max_tokens",
+    "global_count",
+    "global_token_count",
     "is_oom",
     "remember_budget",
     "text_lengths",

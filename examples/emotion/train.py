@@ -1,10 +1,9 @@
 """Fine-tune BERT for 6-way emotion classification under a token budget, with accelerate.
 
 The seed's script (a linear head on the [CLS] state, cross-entropy, Adam; the mean loss and the validation
-macro-F1 per epoch) on batches of similar-length texts whose padded cost fits ``--max_tokens``. A batch that
-still runs out of memory is split (``--oom_mode split``) or the epoch re-planned at half the budget
-(``halve``); every process carries on from the same step. README.md beside this file has the commands and
-the output to expect, emotion.py the data and the model.
+macro-F1 per epoch) on batches of similar-length texts whose padded cost fits ``--max_tokens``; a batch that
+still runs out of memory is split or the epoch re-planned at half the budget (``--oom_mode``), and every
+process carries on from the same step. README.md has the commands and output, emotion.py the data and model.
 """
 
 from __future__ import annotations
@@ -28,7 +27,7 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers import DataCollatorWithPadding
 
-from tokenbatch import CostModel, OOMFallback, TokenBudgetBatchSampler, column_lengths
+from tokenbatch import BatchScaledLR, CostModel, OOMFallback, TokenBudgetBatchSampler, column_lengths
 from tokenbatch.integrations.accelerate import finish, gather_samples, progress, token_cost
 from tokenbatch.testing import inject_oom
 
@@ -57,10 +56,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--simulate_oom_where", choices=("forward", "backward"), default="forward", help="in this pass")
     add("--simulate_oom_rank", type=int, help="on this rank only; unset: every rank")
     add("--learning_rate", type=float, default=5e-5, help="Adam's learning rate")
+    add("--lr_scaling", choices=("none", "sqrt", "linear"), default="none", help="lr x rule(texts/reference)")
+    add("--lr_reference", type=float, default=32, help="texts per step (all processes) the lr suits")
     add("--num_epochs", type=int, default=5, help="epochs to train")
     add("--seed", type=int, default=0, help="seed of the plans and of the head's initialisation")
     args = parser.parse_args(argv)
-    for name in (*POSITIVE, "pad_to_multiple_of", "simulate_oom_above", "num_epochs"):
+    for name in (*POSITIVE, "pad_to_multiple_of", "simulate_oom_above", "num_epochs", "lr_reference"):
         if (value := getattr(args, name)) is not None and not (math.isfinite(value) and value > 0):
             parser.error(f"--{name} should be a positive number, but got {name}={value}")
     return args
@@ -82,8 +83,7 @@ def evaluate(model: torch.nn.Module, loader: Any, accelerator: Accelerator) -> t
 def train(args: argparse.Namespace, accelerator: Accelerator) -> list[dict[str, Any]]:
     """Run the whole fine-tuning; return the per-epoch metrics (the same on every process)."""
     set_seed(args.seed)
-    if not accelerator.is_local_main_process:
-        datasets.disable_progress_bars()
+    accelerator.is_local_main_process or datasets.disable_progress_bars()  # one process draws the bars
     tokenizer = load_tokenizer(args.model_name)
     with accelerator.main_process_first():  # the main process tokenizes, the others read its cache
         encoded = tokenize(load_splits(args), tokenizer, args.max_length)
@@ -102,9 +102,9 @@ def train(args: argparse.Namespace, accelerator: Accelerator) -> list[dict[str, 
         model, optimizer, DataLoader(train_set, batch_sampler=sampler, collate_fn=collator),
         DataLoader(eval_set, batch_sampler=eval_sampler, collate_fn=collator),
     )  # fmt: skip
-    # No find_unused_parameters (the seed's workaround for BERT's unused pooler): the pooler is
-    # dropped, and OOMFallback averages gradients itself outside DDP's hooks.
+    # No find_unused_parameters (the seed's fix for the unused pooler): it is dropped, OOMFallback syncs.
     fallback = OOMFallback(sampler, model, accelerator=accelerator, mode=args.oom_mode)
+    scaling = BatchScaledLR(optimizer, reference=args.lr_reference, rule=args.lr_scaling)
     stats, crossover = sampler.stats(), 1 / cost.quadratic if cost.quadratic else math.inf
     accelerator.print(
         f"{len(train_set)} training texts, {len(eval_set)} validation texts, {accelerator.num_processes} "
@@ -123,7 +123,8 @@ def train(args: argparse.Namespace, accelerator: Accelerator) -> list[dict[str, 
             for batch in progress(fallback, train_loader, desc=f"epoch {epoch + 1}"):
                 loss = fallback.backward(batch, lambda b: model(**b)[0])
                 if loss is not None:  # None: this step hit OOM in halve mode and is re-planned
-                    optimizer.step()
+                    with scaling.applied(scaling.step_size(batch)):  # the texts of this step on all processes
+                        optimizer.step()
                     optimizer.zero_grad()
                     totals += (float(loss), 1, int(batch["attention_mask"].sum()))
         seconds = time.perf_counter() - start
@@ -141,8 +142,7 @@ def train(args: argparse.Namespace, accelerator: Accelerator) -> list[dict[str, 
 
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    args, accelerator = parse_args(argv), Accelerator()
-    train(args, accelerator)
+    train(parse_args(argv), accelerator := Accelerator())
     finish(accelerator)  # after train() returned, so that no reference to the DDP model is left
 
 
