@@ -36,6 +36,9 @@ def fit(module: Recorder, *, callback: TokenBudgetCallback | None, **options: An
     try:
         run.fit(module)
     except Exception as error:
+        # The root of the chain: Lightning may raise its own error while handling ours.
+        while error.__cause__ is not None or error.__context__ is not None:
+            error = error.__cause__ or error.__context__  # type: ignore[assignment]
         return {"error": f"{type(error).__name__}: {error}"}
     fallback = module.fallback
     return {
