@@ -19,7 +19,8 @@ and until it reaches the best F1 that both the arm and the seed reach. Larger
 token-budget batches take fewer steps per epoch, so ``--tokenbatch_lrs`` adds
 arms with larger learning rates, and ``--lr_scaling`` arms at the seed's
 learning rate scaled per step by ``tokenbatch.BatchScaledLR`` (the step's
-samples against the seed's batch on all processes). Last, an interleaved check
+samples against the seed's batch on all processes; ``--lr_by tokens``: its
+real tokens against that many texts of the mean length). Last, an interleaved check
 trains both batchings in alternating chunks of one run, for a tokens/s ratio
 that the load of other processes on the machine cannot skew (``--rounds 0``
 skips it).
@@ -108,8 +109,9 @@ def run_arms(args: argparse.Namespace, shared: list[str], budget: float, work: P
     rules = [rule for rule in (args.lr_scaling or "").split(",") if rule]
     runs += [("tokenbatch", args.learning_rate, args.tokenbatch_epochs, rule) for rule in rules]
     for kind, lr, epochs, rule in runs:
-        label = f"{kind} lr={lr:g}" + (f" {rule}-scaled" if rule else "")
-        stem = f"{kind}-lr{lr:g}" + (f"-{rule}" if rule else "")
+        by = "" if not rule or args.lr_by == "samples" else f" by {args.lr_by}"
+        label = f"{kind} lr={lr:g}" + (f" {rule}-scaled{by}" if rule else "")
+        stem = f"{kind}-lr{lr:g}" + (f"-{rule}{by.replace(' ', '-')}" if rule else "")
         out = work / f"{stem}.json"
         settings = ["--learning_rate", str(lr), "--num_epochs", str(epochs), "--output_json", str(out)]
         if kind == "seed":
@@ -118,6 +120,7 @@ def run_arms(args: argparse.Namespace, shared: list[str], budget: float, work: P
             script = [*WORKERS, "tokenbatch", "--max_tokens", str(budget)]
         if rule:  # the reference: the seed's batch over all processes, in samples
             script += ["--lr_scaling", rule, "--lr_reference", str(args.batch_size * args.processes)]
+            script += ["--lr_by", args.lr_by]
         print(f"running {label} ...", flush=True)
         start = time.perf_counter()
         launch([*script, *shared, *settings], args.processes, work / f"{stem}.log")
@@ -190,6 +193,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--lr_scaling",
         help="BatchScaledLR rules (linear, sqrt, comma-separated) of tokenbatch arms at --learning_rate",
+    )
+    parser.add_argument(
+        "--lr_by",
+        choices=("samples", "tokens"),
+        default="samples",
+        help="scale by the step's texts against the seed's batch, or its real tokens against as many "
+        "texts of the mean length",
     )
     parser.add_argument("--epochs", type=int, help="the seed's epochs (default 3; 1 with --quick)")
     parser.add_argument(

@@ -12,7 +12,8 @@ and validation macro-F1 with every text scored once.
   ``find_executable_batch_size``;
 - ``tokenbatch``: the example's loop (``examples/emotion/train.py``): token-budget
   batches under ``OOMFallback``, with ``--lr_scaling`` each step's learning rate
-  scaled by its samples against ``--lr_reference`` (``tokenbatch.BatchScaledLR``);
+  scaled by its samples against ``--lr_reference`` texts, or with ``--lr_by tokens``
+  by its real tokens against as many texts of mean length (``tokenbatch.BatchScaledLR``);
 - ``throughput``: both batchings in alternating chunks of one run.
 """
 
@@ -193,7 +194,7 @@ def tokenbatch_worker(argv: list[str]) -> None:
     args = options(
         argv,
         *(("--max_tokens", float), ("--learning_rate", float), ("--oom_mode", str)),
-        *(("--lr_scaling", str), ("--lr_reference", float)),
+        *(("--lr_scaling", str), ("--lr_reference", float), ("--lr_by", str)),
     )
     accelerator = Accelerator()
     results = train_tokenbatch(args, accelerator)  # returns: its references to the DDP model go first
@@ -223,7 +224,9 @@ def train_tokenbatch(args: argparse.Namespace, accelerator: Accelerator) -> dict
     )
     fallback = OOMFallback(sampler, model, accelerator=accelerator, mode=args.oom_mode or "split")
     # Unset: no scaling object at all, so the unscaled arms run exactly the loop they always ran.
-    scaling = args.lr_scaling and BatchScaledLR(optimizer, reference=args.lr_reference, rule=args.lr_scaling)
+    by = args.lr_by or "samples"  # by tokens, the reference is as many texts of the mean length
+    reference = (args.lr_reference or 1) * (float(column_lengths(train).mean()) if by == "tokens" else 1)
+    scaling = args.lr_scaling and BatchScaledLR(optimizer, reference=reference, by=by, rule=args.lr_scaling)
     results: dict[str, Any] = {"epochs": [], "world_size": accelerator.num_processes, "crossover": crossover}
     for epoch in range(args.num_epochs):
         sampler.set_epoch(epoch)

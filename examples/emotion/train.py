@@ -8,11 +8,11 @@ process carries on from the same step. README.md has the commands and output, em
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import logging
 import math
 import time
+from argparse import ArgumentDefaultsHelpFormatter, ArgumentParser, Namespace
 from pathlib import Path
 from typing import Any
 
@@ -38,9 +38,8 @@ EPOCH_LINE = (
 )
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    formatter = argparse.ArgumentDefaultsHelpFormatter
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=formatter)
+def parse_args(argv: list[str] | None = None) -> Namespace:
+    parser = ArgumentParser(description=__doc__.split("\n")[0], formatter_class=ArgumentDefaultsHelpFormatter)
     add = parser.add_argument
     add("--model_name", default="bert-base-cased", help="hub name or local directory")
     add("--data_dir", type=Path, help="has train.jsonl, validation.jsonl; unset: dair-ai/emotion, hub")
@@ -56,7 +55,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--simulate_oom_where", choices=("forward", "backward"), default="forward", help="in this pass")
     add("--simulate_oom_rank", type=int, help="on this rank only; unset: every rank")
     add("--learning_rate", type=float, default=5e-5, help="Adam's learning rate")
-    add("--lr_scaling", choices=("none", "sqrt", "linear"), default="none", help="lr x rule(texts/reference)")
+    add("--lr_scaling", choices=("none", "sqrt", "linear"), default="none", help="lr x rule(step/reference)")
     add("--lr_reference", type=float, default=32, help="texts per step (all processes) the lr suits")
     add("--num_epochs", type=int, default=5, help="epochs to train")
     add("--seed", type=int, default=0, help="seed of the plans and of the head's initialisation")
@@ -80,7 +79,7 @@ def evaluate(model: torch.nn.Module, loader: Any, accelerator: Accelerator) -> t
     return float(f1_score(y_true, y_pred, average="macro", zero_division=0)), len(y_true)
 
 
-def train(args: argparse.Namespace, accelerator: Accelerator) -> list[dict[str, Any]]:
+def train(args: Namespace, accelerator: Accelerator) -> list[dict[str, Any]]:
     """Run the whole fine-tuning; return the per-epoch metrics (the same on every process)."""
     set_seed(args.seed)
     accelerator.is_local_main_process or datasets.disable_progress_bars()  # one process draws the bars
@@ -93,8 +92,8 @@ def train(args: argparse.Namespace, accelerator: Accelerator) -> list[dict[str, 
     cost = token_cost(accelerator, model.encoder.config, task="base", pad_to_multiple_of=pad)
     cost = CostModel.attention(args.crossover, pad_to_multiple_of=pad) if args.crossover else cost
     collator = DataCollatorWithPadding(tokenizer, pad_to_multiple_of=args.pad_to_multiple_of)
-    # Lengths as the collator pads them: the tokenized input_ids, special tokens included.
-    sampler = TokenBudgetBatchSampler(column_lengths(train_set), args.max_tokens, cost=cost, seed=args.seed)
+    lengths = column_lengths(train_set)  # as the collator pads them: the input_ids, special tokens included
+    sampler = TokenBudgetBatchSampler(lengths, args.max_tokens, cost=cost, seed=args.seed)
     eval_budget = args.eval_max_tokens or args.max_tokens
     eval_sampler = TokenBudgetBatchSampler(column_lengths(eval_set), eval_budget, cost=cost, shuffle=False)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.learning_rate)
@@ -104,7 +103,8 @@ def train(args: argparse.Namespace, accelerator: Accelerator) -> list[dict[str, 
     )  # fmt: skip
     # No find_unused_parameters (the seed's fix for the unused pooler): it is dropped, OOMFallback syncs.
     fallback = OOMFallback(sampler, model, accelerator=accelerator, mode=args.oom_mode)
-    scaling = BatchScaledLR(optimizer, reference=args.lr_reference, rule=args.lr_scaling)
+    tokens = args.lr_reference * lengths.mean()  # by real tokens, steadier than texts under a budget (README)
+    scaling = BatchScaledLR(optimizer, reference=tokens, by="tokens", rule=args.lr_scaling)
     stats, crossover = sampler.stats(), 1 / cost.quadratic if cost.quadratic else math.inf
     accelerator.print(
         f"{len(train_set)} training texts, {len(eval_set)} validation texts, {accelerator.num_processes} "
@@ -123,7 +123,7 @@ def train(args: argparse.Namespace, accelerator: Accelerator) -> list[dict[str, 
             for batch in progress(fallback, train_loader, desc=f"epoch {epoch + 1}"):
                 loss = fallback.backward(batch, lambda b: model(**b)[0])
                 if loss is not None:  # None: this step hit OOM in halve mode and is re-planned
-                    with scaling.applied(scaling.step_size(batch)):  # the texts of this step on all processes
+                    with scaling.applied(scaling.step_size(batch)):  # this step's tokens on all processes
                         optimizer.step()
                     optimizer.zero_grad()
                     totals += (float(loss), 1, int(batch["attention_mask"].sum()))
