@@ -109,10 +109,13 @@ def guarded_backward(
 ) -> torch.Tensor | None:
     """``fallback.backward(batch, loss_fn)``, with the gradients of the group's earlier batches kept.
 
-    The fallback drops every gradient when a batch fails: the gradients
-    already accumulated are set aside while it runs and added back after.
-    Returns the detached loss, or None when the fallback re-planned the epoch
-    (halve mode) instead of training this batch.
+    The Trainer's guarded steps all synchronise (``SyncEveryStep``), so the
+    gradients of the group's earlier batches are averaged already: they are
+    set aside while the fallback runs, so that its average covers this batch
+    only, and added back after. (The fallback would keep them through a
+    failure by itself too, but would then average them again.) Returns the
+    detached loss, or None when the fallback re-planned the epoch (halve
+    mode) instead of training this batch.
     """
     params = [p for p in model.parameters() if p.requires_grad]
     kept: list[torch.Tensor | None] | None = [p.grad for p in params]
