@@ -66,6 +66,11 @@ class KeptGradients:
                 param.grad = None
         return self
 
+    @property
+    def earlier(self) -> list[torch.Tensor | None] | None:
+        """The gradients held aside, per parameter (None: there were none); not to be changed."""
+        return self._kept
+
     def add_into_grads(self) -> None:
         """This rank's step has run: the parameters' gradients become the step's plus the earlier ones.
 

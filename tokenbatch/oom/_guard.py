@@ -45,6 +45,9 @@ class OOMFallback:
             new budget is ``factor * min(budget, cost of the largest batch that failed)``.
         min_tokens: the floor; an out-of-memory error at the floor raises
             :class:`SampleTooLargeError` instead of trying again.
+        overlap: with DDP, all-reduce gradients during the backward pass, as
+            DDP does, in an order every rank keeps even when one fails (see
+            :mod:`tokenbatch.oom._overlap`); False averages them after it.
 
     Works with a plain module and with DDP (as ``accelerator.prepare`` wraps
     it); not with FSDP or DeepSpeed, which shard gradients themselves. The
@@ -101,6 +104,7 @@ class OOMFallback:
         mode: str | Strategy = "split",
         factor: float = 0.5,
         min_tokens: float | None = None,
+        overlap: bool = True,
         **moved: Any,
     ) -> None:
         if moved:
@@ -121,7 +125,9 @@ class OOMFallback:
         self.factor = _checks.shrink_factor("factor", factor)
         self.min_tokens = None if min_tokens is None else _checks.positive_number("min_tokens", min_tokens)
         self.events: list[OOMEvent] = []
-        self._passes = ForwardBackward(model, accelerator, cost=sampler.cost, strategy=self._strategy)
+        self._passes = ForwardBackward(
+            model, accelerator, cost=sampler.cost, strategy=self._strategy, overlap=bool(overlap)
+        )
         self._micro_tokens = sampler.max_tokens  # split mode: the budget one forward/backward must fit
         self._cursor = EpochCursor(sampler)
         self._listeners: list[Callable[[OOMFallback], None]] = []
@@ -283,6 +289,7 @@ class OOMFallback:
                 outcome, error = Outcome(), None
                 if unfed is not None:
                     outcome, error = Outcome("error"), unfed
+                    passes.skip(work, params, sync=sync, kept=kept)  # the collectives the others issue
                 elif work.loss is None:
                     micro = self._strategy.split_budget(self._micro_tokens, self.sampler.max_tokens)
                     outcome, error = passes.attempt(
@@ -297,6 +304,7 @@ class OOMFallback:
                     raise_on_every_rank(outcomes, error, f"epoch {self.sampler.epoch}, step {step}")
                 if not any(o.status == "oom" for o in outcomes):
                     break
+                passes.rewind(work, kept)  # overlapped: every rank drops the attempt's gradients
                 event = next_event(
                     outcomes,
                     epoch=self.sampler.epoch,
