@@ -56,7 +56,7 @@ def oom_cases(runs: Runs) -> list[str]:
 
 
 def test_without_oom_the_guard_trains_like_plain_ddp(runs: Runs) -> None:
-    for name in ("split", "halve", "accumulate", "unused", "bf16"):
+    for name in ("split", "halve", "accumulate", "unused", "bf16", "fp16"):
         plain, guarded = runs[f"plain_{name}"][0], runs[f"guard_{name}"][0]
         assert guarded["events"] == [] and guarded["overlapped_attempts"] > 0, name
         assert relative(guarded["params"], plain["params"]) < 1e-6, name

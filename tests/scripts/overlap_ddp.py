@@ -101,14 +101,17 @@ def train(case: dict[str, Any]) -> dict[str, Any]:
     injector = None
     if "layer" in case:
         injector = Injector(ddp.module, case["layer"], case["where"], case["ranks"], case.get("kind", "oom"))
-    dtype = torch.bfloat16 if case.get("bf16") else None
+    dtype = torch.bfloat16 if case.get("bf16") else torch.float16 if case.get("fp16") else None
+    # fp16 as accelerate does it: the scaled loss goes backward, the step unscales (and may skip).
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10) if case.get("fp16") else None
 
     def loss_fn(batch: dict[str, torch.Tensor]) -> torch.Tensor:
         if injector is not None:
             injector.cost = float(batch["attention_mask"].numel())
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype is not None):
+        with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
             logits = model(batch["input_ids"], batch["attention_mask"])
-        return nn.functional.cross_entropy(logits.float(), batch["labels"])
+        loss = nn.functional.cross_entropy(logits.float(), batch["labels"])
+        return loss if scaler is None else scaler.scale(loss)
 
     rounds: list[Any] = []
     reducer_round = fallback._passes.begin_round  # record the overlapped attempts (white-box, read-only)
@@ -134,7 +137,11 @@ def train(case: dict[str, Any]) -> dict[str, Any]:
                 loss = fallback.backward(batch, loss_fn)
             if loss is not None:
                 trained += batch["idx"].tolist()
-                if (number + 1) % accumulate == 0:
+                if (number + 1) % accumulate == 0 and scaler is not None:
+                    scaler.step(optimizer)
+                    scaler.update()
+                    optimizer.zero_grad()
+                elif (number + 1) % accumulate == 0:
                     optimizer.step()
                     optimizer.zero_grad()
     except (ValueError, RankFailedError, SampleTooLargeError) as exc:
@@ -165,6 +172,8 @@ def cases(world: int) -> dict[str, dict[str, Any]]:
     found["guard_unused"] = {"unused": True}
     found["plain_bf16"] = {"plain": True, "bf16": True}
     found["guard_bf16"] = {"bf16": True}
+    found["plain_fp16"] = {"plain": True, "fp16": True}
+    found["guard_fp16"] = {"fp16": True}
     for mode in ("split", "halve"):
         for where in ("forward", "backward"):
             for layer in LAYERS:

@@ -6,12 +6,13 @@ step, and ``optimizer.step()`` through ``fallback.step(optimizer)``;
 of memory. :class:`EvalGuard` (or ``OOMFallback.evaluate``) guards
 evaluation batches the same way, splitting them into micro-batches.
 
-Ranks never synchronise inside a pass that can fail: forward and backward
-run under DDP's ``no_sync()``, then one small all-reduce tells every rank
-how every other rank's step went (ok, out of memory, or another error), and
-only when all succeeded does one bucketed all-reduce average the gradients.
-A rank that fails therefore never leaves another waiting in a collective it
-will not reach.
+Ranks never wait inside a pass that can fail: forward and backward run
+under DDP's ``no_sync()``, the guard all-reduces gradients during backward in
+a fixed order that a rank which fails still completes (``_overlap``; or, with
+``overlap=False``, only after every rank succeeded), then one small
+all-reduce tells every rank how every other rank's step went (ok, out of
+memory, or another error). A rank that fails therefore never leaves another
+waiting in a collective it will not reach.
 
 Inside the package:
 
@@ -24,6 +25,7 @@ Inside the package:
   the rule that derives the next :class:`OOMEvent` from it;
 - ``_ddp``: the stand-in for DDP's reducer (``no_sync``, buffer broadcast,
   gradient averaging);
+- ``_overlap``: gradient all-reduces overlapping backward, the same sequence on every rank;
 - ``_eval``: :class:`EvalGuard`, guarded evaluation;
 - ``_split``: reading a collated batch and cutting it into micro-batches;
 - ``_detect`` and ``_events``: :func:`is_oom`, :func:`free_memory`, the event and the errors.

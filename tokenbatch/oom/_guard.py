@@ -52,8 +52,9 @@ class OOMFallback:
     Works with a plain module and with DDP (as ``accelerator.prepare`` wraps
     it); not with FSDP or DeepSpeed, which shard gradients themselves. The
     guard owns gradient synchronisation (see :mod:`tokenbatch.oom`): it runs
-    DDP under ``no_sync()`` and averages gradients itself once every rank has
-    said its step succeeded. Gradient accumulation (``accelerator.accumulate``,
+    DDP under ``no_sync()`` and averages gradients itself, during backward in
+    an order a failed rank still completes (``overlap``), and keeps them only
+    once every rank has said its step succeeded. Gradient accumulation (``accelerator.accumulate``,
     or several ``backward`` calls per optimizer step) works in both modes: a
     step runs into fresh gradients and adds the group's earlier ones on
     success, so a failed or dropped step loses only its own (this costs one
