@@ -122,18 +122,28 @@ def read_planning(data: dict[str, Any]) -> str:
 
 
 def read_gpu(data: dict[str, Any]) -> str:
+    """What ran and what was skipped; the numbers are in the sections' tables below."""
     if data.get("skipped"):
         return f"Skipped: {data.get('reason', 'no CUDA device')}."
-    rows = {r["method"]: r for r in data["rows"]}
-    ours = rows["tokenbatch"]
+    sections = data.get("sections", [])
+    ran = [s["name"] for s in sections if s.get("status") == "ok"]
+    skipped = [f"{s['name']} ({s.get('reason', '?')})" for s in sections if s.get("status") != "ok"]
+    device = (data.get("machine") or {}).get("cuda") or data.get("device", "?")
     return (
-        f"On {data['machine']['cuda']}: tokenbatch trains at {data['speedup']:.2f}x the real tokens per "
-        f"second of fixed random batches at the same worst-case memory, peak memory "
-        f"{(ours['peak_memory_fraction'] or 0):.1%} of the device."
+        f"On {device}{' (TINY models, not figures)' if data.get('tiny') else ''}: {len(ran)} section(s) "
+        f"measured" + (f"; skipped: {'; '.join(skipped)}" if skipped else "") + "."
     )
 
 
+def read_ddp_overlap(data: dict[str, Any]) -> str:
+    """The guard's step time against plain DDP's, per model and path."""
+    rows = [r for r in data.get("rows", []) if r.get("arm") != "plain DDP"]
+    parts = [f"{r['model']}, {r['arm']}: {r['vs plain DDP']:.3f}x plain DDP's step time" for r in rows]
+    return "; ".join(parts) + "." if parts else "No rows."
+
+
 READERS = {"padding": read_padding, "planning": read_planning, "gpu": read_gpu}
+READERS["ddp_overlap"] = read_ddp_overlap
 
 
 def headline(results: dict[str, dict[str, Any]]) -> str:

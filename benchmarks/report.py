@@ -19,7 +19,7 @@ from typing import Any
 from benchmarks import common
 from benchmarks.readings import READERS, headline
 
-MODULES = ("padding", "planning", "streaming", "training", "oom_recovery", "probe", "gpu")
+MODULES = ("padding", "planning", "streaming", "training", "oom_recovery", "probe", "gpu", "ddp_overlap")
 TITLES = {
     "padding": "Padding and steps",
     "planning": "Planning speed",
@@ -28,6 +28,7 @@ TITLES = {
     "oom_recovery": "OOM recovery",
     "probe": "Budget probe",
     "gpu": "GPU",
+    "ddp_overlap": "DDP step time under the guard (overlapped all-reduce)",
 }
 METHOD_STYLE = {
     "tokenbatch": ("tab:blue", "o"),
@@ -203,7 +204,7 @@ def assemble(results_dir: Path, output: Path) -> tuple[str, list[str]]:
             parts.append(reading(data) + "\n")
         plotter = PLOTTERS.get(name)
         drawn = plotter(data, results_dir) if plotter else []
-        if name in ("training", "gpu") and not data.get("skipped"):
+        if name == "training" and not data.get("skipped"):
             drawn += plot_training(data, results_dir, name)
         for file in drawn:
             parts.append(f"![{file}]({os.path.relpath(results_dir / file, output.parent)})\n")
