@@ -166,15 +166,17 @@ class Round:
 
     def _hook(self, index: int) -> Callable[[torch.Tensor], None]:
         def accumulated(param: torch.Tensor) -> None:
-            if index in self.fired or self.reducer.unit_of[index] < self.issued:
+            unit = self.reducer.unit_of[index]
+            if unit < self.issued:  # its all-reduce has begun: this gradient would be left out
                 raise RuntimeError(
                     f"OOMFallback(overlap=True): the gradient of parameter {index} was accumulated twice "
                     f"in one backward pass (reentrant gradient checkpointing, or a parameter used in two "
                     f"backward calls of one loss_fn?), after its all-reduce had started; pass "
                     f"OOMFallback(..., overlap=False), which averages gradients after the backward pass"
                 )
+            if index in self.fired:  # accumulated again before its unit went out: nothing to do
+                return
             self.fired.add(index)
-            unit = self.reducer.unit_of[index]
             self.ready[unit] += 1
             self._issue_ready()
 
