@@ -45,16 +45,14 @@ class OOMFallback:
             new budget is ``factor * min(budget, cost of the largest batch that failed)``.
         min_tokens: the floor; an out-of-memory error at the floor raises
             :class:`SampleTooLargeError` instead of trying again.
-        overlap: with DDP, all-reduce gradients during the backward pass, as
-            DDP does, in an order every rank keeps even when one fails (see
-            :mod:`tokenbatch.oom._overlap`); False averages them after it.
+        overlap: with DDP, all-reduce gradients during backward in an order that a failed rank
+            still completes (:mod:`tokenbatch.oom._overlap`); False: average them after backward.
 
     Works with a plain module and with DDP (as ``accelerator.prepare`` wraps
     it); not with FSDP or DeepSpeed, which shard gradients themselves. The
     guard owns gradient synchronisation (see :mod:`tokenbatch.oom`): it runs
-    DDP under ``no_sync()`` and averages gradients itself, during backward in
-    an order a failed rank still completes (``overlap``), and keeps them only
-    once every rank has said its step succeeded. Gradient accumulation (``accelerator.accumulate``,
+    DDP under ``no_sync()``, all-reduces gradients itself (``overlap``) and keeps
+    them once every rank has said its step succeeded. Gradient accumulation (``accelerator.accumulate``,
     or several ``backward`` calls per optimizer step) works in both modes: a
     step runs into fresh gradients and adds the group's earlier ones on
     success, so a failed or dropped step loses only its own (this costs one
@@ -126,9 +124,8 @@ class OOMFallback:
         self.factor = _checks.shrink_factor("factor", factor)
         self.min_tokens = None if min_tokens is None else _checks.positive_number("min_tokens", min_tokens)
         self.events: list[OOMEvent] = []
-        self._passes = ForwardBackward(
-            model, accelerator, cost=sampler.cost, strategy=self._strategy, overlap=bool(overlap)
-        )
+        self._passes = ForwardBackward(model, accelerator, cost=sampler.cost, strategy=self._strategy)
+        self._passes.overlap = bool(overlap)  # with DDP: gradients all-reduced during backward
         self._micro_tokens = sampler.max_tokens  # split mode: the budget one forward/backward must fit
         self._cursor = EpochCursor(sampler)
         self._listeners: list[Callable[[OOMFallback], None]] = []
