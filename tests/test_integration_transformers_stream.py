@@ -1,0 +1,76 @@
+"""TokenBudgetTrainer with an iterable training set (a TokenBudgetStream per rank) and max_steps.
+
+Which samples each optimizer step trained is read from the gradients of the
+tiny model's ``marks`` (see tests/scripts/trainer_common.py), not from
+tokenbatch's own bookkeeping.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tokenbatch import TokenBudgetStream
+from tokenbatch.testing import inject_oom
+
+pytest.importorskip("transformers")
+sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
+import trainer_common as tc
+
+sys.path.pop(0)
+
+
+def stream_trainer(data_dir: Path, tokenizer: Any, out: Path, **options: Any) -> Any:
+    trainer = tc.make_trainer(data_dir, tokenizer, out, **options)
+    trainer.train_dataset = trainer.train_dataset.to_iterable_dataset(num_shards=2)
+    return trainer
+
+
+def by_epoch(steps: list[dict[str, Any]]) -> dict[int, Counter[int]]:
+    seen: dict[int, Counter[int]] = {}
+    for step in steps:
+        seen.setdefault(step["epoch"], Counter()).update(step["samples"])
+    return seen
+
+
+@pytest.mark.parametrize(("mode", "accumulation"), [("halve", 1), ("split", 2), (None, 1)])
+def test_iterable_train_set_trains_each_sample_once_per_epoch_under_oom(
+    mode: str | None, accumulation: int, emotion_data_dir: Path, minilm_tokenizer: Any, tmp_path: Path
+) -> None:
+    trainer = stream_trainer(
+        emotion_data_dir, minilm_tokenizer, tmp_path, oom_mode=mode, accumulation=accumulation,
+        arguments={"max_steps": 30},
+    )  # fmt: skip
+    injector = inject_oom(trainer.model, tc.OOM_LIMIT) if mode else None
+    trainer.train()
+    steps = trainer.recorder.steps
+    assert isinstance(trainer.train_sampler, TokenBudgetStream)
+    assert trainer.state.global_step == len(steps) == 30
+    seen = by_epoch(steps)
+    assert len(seen) >= 2  # epochs until max_steps, each a new order
+    for epoch, counts in seen.items():
+        assert max(counts.values()) == 1  # never a sample twice in an epoch
+        if epoch < max(seen):  # a whole epoch: every sample once
+            assert sorted(counts) == list(range(tc.TRAIN_SIZE))
+    logged = [log["step_samples"] for log in trainer.recorder.logs if "step_samples" in log]
+    assert sum(logged) == sum(len(step["samples"]) for step in steps)
+    if mode is not None:
+        assert injector is not None and injector.count > 0 and trainer.oom_events
+        assert trainer.oom_fallback.max_tokens <= tc.OOM_LIMIT
+        if mode == "halve":  # the stream forms its batches under the budget the fallback found
+            assert trainer.train_sampler.max_tokens == trainer.oom_fallback.max_tokens
+            late = steps[trainer.oom_events[-1].step + 2 :]
+            assert all(step["sampler_max_tokens"] <= tc.OOM_LIMIT for step in late)
+        injector.remove()
+
+
+def test_an_iterable_train_set_needs_max_steps(
+    emotion_data_dir: Path, minilm_tokenizer: Any, tmp_path: Path
+) -> None:
+    trainer = stream_trainer(emotion_data_dir, minilm_tokenizer, tmp_path)
+    with pytest.raises(ValueError, match=r"max_steps should be a positive number .* but got max_steps=-1"):
+        trainer.train()
