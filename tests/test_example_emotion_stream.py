@@ -34,7 +34,8 @@ def test_stream_example_trains_each_text_once_per_epoch(
 ) -> None:
     out = tmp_path / "epochs.json"
     args = [
-        str(RUN), str(out), "--train_file", str(emotion_data_dir / "train.jsonl"), "--model_name", minilm_path,
+        str(RUN), str(out), "--train_file", str(emotion_data_dir / "train.jsonl"),
+        "--model_name", minilm_path,
         "--train_limit", str(LIMIT), "--max_tokens", "1024", "--buffer_size", "64", "--oom_mode", mode,
         "--simulate_oom_above", "700", "--learning_rate", "1e-3",
     ]  # fmt: skip

@@ -50,9 +50,8 @@ def train(args: Namespace, accelerator: Accelerator) -> list[dict[str, Any]]:
     tokenizer = load_tokenizer(args.model_name)
     data = datasets.load_dataset("json", data_files=str(args.train_file), split="train", streaming=True)
     data = data.take(args.train_limit) if args.train_limit else data
-    data = data.map(
-        lambda row: tokenizer(row["text"], truncation=True, max_length=args.max_length), remove_columns=["text"]
-    ).rename_column("label", "labels")
+    encode = lambda row: tokenizer(row["text"], truncation=True, max_length=args.max_length)  # noqa: E731
+    data = data.map(encode, remove_columns=["text"]).rename_column("label", "labels")
     model = EmotionClassifier(load_encoder(args.model_name, tokenizer), len(LABELS))
     cost = token_cost(accelerator, model.encoder.config, task="base")
     stream = TokenBudgetStream(data, args.max_tokens, cost=cost, buffer_size=args.buffer_size, seed=args.seed)
@@ -72,7 +71,8 @@ def train(args: Namespace, accelerator: Accelerator) -> list[dict[str, Any]]:
                 loss = fallback.backward(batch, lambda b: model(**b)[0])  # never None on a stream
                 fallback.step(optimizer)
                 optimizer.zero_grad()
-                totals += torch.tensor([float(loss), 1, len(batch["labels"]), int(batch["attention_mask"].sum())])
+                real = int(batch["attention_mask"].sum())
+                totals += torch.tensor([float(loss), 1, len(batch["labels"]), real])
         loss_sum, steps, texts, tokens = accelerator.reduce(totals.to(accelerator.device)).tolist()
         epochs.append(dict(
             epoch=epoch + 1, loss=loss_sum / max(steps, 1.0), steps=int(totals[1]), texts=int(texts),
