@@ -74,3 +74,36 @@ def test_an_iterable_train_set_needs_max_steps(
     trainer = stream_trainer(emotion_data_dir, minilm_tokenizer, tmp_path)
     with pytest.raises(ValueError, match=r"max_steps should be a positive number .* but got max_steps=-1"):
         trainer.train()
+
+
+def test_checkpoints_of_a_stream_run_are_written_and_resuming_is_refused_clearly(
+    emotion_data_dir: Path, minilm_tokenizer: Any, tmp_path: Path
+) -> None:
+    trainer = stream_trainer(
+        emotion_data_dir, minilm_tokenizer, tmp_path, save_steps=3, arguments={"max_steps": 4}
+    )
+    trainer.train()
+    assert (tmp_path / "checkpoint-3" / "tokenbatch_state.json").is_file()
+    again = stream_trainer(emotion_data_dir, minilm_tokenizer, tmp_path, arguments={"max_steps": 4})
+    with pytest.raises(ValueError, match="resume_from_checkpoint is not supported yet with an iterable"):
+        again.train(resume_from_checkpoint=str(tmp_path / "checkpoint-3"))
+
+
+def test_a_torch_iterable_dataset_of_a_generator_trains_too(
+    emotion_data_dir: Path, minilm_tokenizer: Any, tmp_path: Path
+) -> None:
+    from torch.utils.data import IterableDataset
+
+    rows = list(tc.tokenized(emotion_data_dir, minilm_tokenizer).remove_columns(["text"]))
+
+    class Rows(IterableDataset):  # type: ignore[type-arg]
+        def __iter__(self) -> Any:
+            yield from rows
+
+    trainer = tc.make_trainer(
+        emotion_data_dir, minilm_tokenizer, tmp_path, oom_mode="halve", arguments={"max_steps": 12}
+    )
+    trainer.train_dataset = Rows()
+    trainer.train()
+    seen = by_epoch(trainer.recorder.steps)
+    assert sorted(seen[0]) == list(range(tc.TRAIN_SIZE)) and max(seen[0].values()) == 1
