@@ -107,3 +107,38 @@ def test_a_torch_iterable_dataset_of_a_generator_trains_too(
     trainer.train()
     seen = by_epoch(trainer.recorder.steps)
     assert sorted(seen[0]) == list(range(tc.TRAIN_SIZE)) and max(seen[0].values()) == 1
+
+
+@pytest.mark.slow
+def test_two_processes_train_an_iterable_set_with_oom_on_one_rank(
+    emotion_data_dir: Path, tmp_path: Path
+) -> None:
+    import json
+    import os
+    import subprocess
+
+    repo = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")])}
+    env.update({"ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"})
+    command = [
+        sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+        "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+        "--main_process_port", "0",
+        str(repo / "tests" / "scripts" / "trainer_stream_ddp.py"), str(emotion_data_dir), str(tmp_path),
+    ]  # fmt: skip
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=420)
+    assert done.returncode == 0, done.stderr[-4000:]
+    reports = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
+    assert reports[0]["global_step"] == reports[1]["global_step"] == 16  # equal steps on both ranks
+    assert reports[0]["injected"] == 0 < reports[1]["injected"]  # rank 1 alone ran out of memory
+    assert reports[0]["events"] == reports[1]["events"] and reports[0]["events"]
+    for report in reports:
+        assert report["max_tokens"] == report["stream_max_tokens"] <= tc.OOM_LIMIT
+    steps = reports[0]["steps"]
+    assert [s["samples"] for s in steps] == [s["samples"] for s in reports[1]["steps"]]
+    seen = by_epoch(steps)
+    for epoch, counts in seen.items():  # the two ranks' parts together: every sample once an epoch
+        assert max(counts.values()) == 1
+        if epoch < max(seen):
+            assert sorted(counts) == list(range(tc.TRAIN_SIZE))
+    assert sum(reports[0]["step_samples"]) == sum(len(s["samples"]) for s in steps)
