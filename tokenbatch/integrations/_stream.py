@@ -15,7 +15,7 @@ and in halve mode re-budgets the stream (its step is kept, see
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -101,7 +101,8 @@ class StreamFeed:
         self.group_size = entry.group_size
         if entry.step is None:
             return None
-        first = next((v for v in entry.batch.values() if isinstance(v, torch.Tensor) and v.dim() > 0), None)
+        values = entry.batch.values() if isinstance(entry.batch, Mapping) else [entry.batch]
+        first = next((v for v in values if isinstance(v, torch.Tensor) and v.dim() > 0), None)
         self._rows = 0 if first is None else int(first.shape[0])
         return entry.batch, entry.step
 
