@@ -91,6 +91,11 @@ class Buffer:
         self._bucket_keys = boundaries.astype(np.int64) << _LOW
         self._bucket_cost = self._by_bucket(self.key, self.unit)
 
+    def set_budget(self, budget: float) -> None:
+        """Draw under ``budget`` from now on (an OOM re-budget); the examples held stay, recounted."""
+        self.budget = budget
+        self._bucket_cost = self._by_bucket(self.key, self.unit)
+
     def _by_bucket(self, keys: np.ndarray, unit: np.ndarray) -> np.ndarray:
         """The cost in each bucket, in whole ticks of 2**-29 budgets (1 to 2**30 ticks an example).
 

@@ -46,6 +46,7 @@ class Settings:
 
     cost: CostModel
     budget: float
+    """The budget the stream was made with: what ``oversize`` judges an example by."""
     buffer_size: int
     oversize: str
     buckets: int | np.ndarray
@@ -75,14 +76,18 @@ class Run:
         epoch: int,
         agree: Agree | None,
         resume: dict[str, Any] | None = None,
+        budget: Callable[[], float] | None = None,
     ) -> None:
         self.settings, self.part, self.reader, self.epoch, self.agree = settings, part, reader, epoch, agree
+        # The budget in force, read before each batch is formed: an OOM re-budget (the stream's
+        # replan) changes it between batches, in this process or, through shared memory, a worker's.
+        self.budget = budget if budget is not None else (lambda: settings.budget)
         seed, who = settings.seed, [reader.rank, reader.worker]
         self.local = np.random.default_rng([seed, epoch, *who, 1])
         # The same on every rank: ranks draw from the same bucket at the same step.
         self.shared = np.random.default_rng([seed, epoch, reader.worker, 2])
         self.salt = int(np.random.default_rng([seed, epoch, *who, 3]).integers(2**62))
-        self.buffer = Buffer(settings.budget, np.empty(0, np.int64))
+        self.buffer = Buffer(self.budget(), np.empty(0, np.int64))
         self.snapshots = Snapshots()
         self.final: deque[np.ndarray] = deque()  # the final round's batches still to yield, as slots
         self.phase, self.read, self.exhausted = "start", 0, False
@@ -110,6 +115,8 @@ class Run:
                 self.snapshots.add(self.read, self.part.snapshot())
 
     def _insert(self, positions: np.ndarray, chunk: list[Any]) -> None:
+        # Judged by the budget the stream was made with: an example it admitted stays admitted after an
+        # OOM re-budget (drawn alone if it is over the new one), as the map-style sampler keeps it.
         cost, budget = self.settings.cost, self.settings.budget
         padded = np.asarray(cost.padded_length(self.settings.lengths(chunk, int(positions[0]))), np.int64)
         unit = cost.sample_cost(padded)
@@ -154,8 +161,10 @@ class Run:
             if len(self.buffer) <= refill:
                 self._fill()
             if self._final_now():
+                self._follow_budget()
                 self._begin_final()
                 break
+            self._follow_budget()
             start, stop = self.buffer.draw(self.shared.random(), self.local.random(2).tolist())
             batch = self.buffer.take(start, stop)
             self.yielded += 1
@@ -167,6 +176,11 @@ class Run:
         if self.phase != "done":
             self.phase = "done"
             self._log_end()
+
+    def _follow_budget(self) -> None:
+        budget = self.budget()
+        if budget != self.buffer.budget:  # what the buffer holds is drawn afresh under it
+            self.buffer.set_budget(budget)
 
     def _final_now(self) -> bool:
         if self.agree is None:

@@ -24,8 +24,8 @@ from tokenbatch._stream_source import Part, kind_of, length_reader
 from tokenbatch.cost import CostModel
 from tokenbatch.plan import OVERSIZE_POLICIES
 
-STATE_VERSION = 1
-_STATE_KEYS = {"version", "settings", "epoch", "reader", "run"}
+STATE_VERSION = 2  # 2: the budget in force (an OOM re-budget) is saved as "max_tokens"
+_STATE_KEYS = {"version", "settings", "max_tokens", "epoch", "reader", "run"}
 
 
 class TokenBudgetStream(IterableDataset[list[Any]]):
@@ -100,7 +100,10 @@ class TokenBudgetStream(IterableDataset[list[Any]]):
     ) -> None:
         self._kind = kind_of(examples)
         self.examples = examples
-        self.max_tokens = _checks.positive_number("max_tokens", max_tokens)
+        self._made_with = _checks.positive_number("max_tokens", max_tokens)
+        # The budget in force, shared with DataLoader workers like the epoch: replan() reaches them.
+        self._budget = torch.tensor(self._made_with, dtype=torch.float64).share_memory_()  # type: ignore[no-untyped-call]
+        self._ceiling = self._made_with  # the largest budget in force since made or loaded
         self.cost = CostModel() if cost is None else cost
         if not isinstance(self.cost, CostModel):
             raise TypeError(f"cost should be a tokenbatch.CostModel, but got cost={cost!r}")
@@ -142,6 +145,29 @@ class TokenBudgetStream(IterableDataset[list[Any]]):
     def epoch(self) -> int:
         return int(self._epoch)
 
+    @property
+    def max_tokens(self) -> float:
+        """The budget batches are formed under now: ``max_tokens``, or what :meth:`replan` set."""
+        return float(self._budget)
+
+    @property
+    def ceiling(self) -> float:
+        """The largest budget in force since made or loaded: what a batch read ahead may cost."""
+        return self._ceiling
+
+    def replan(self, max_tokens: float, *, steps_done: int | None = None) -> None:
+        """Form every batch not yet formed under ``max_tokens``, the examples buffered included.
+
+        The OOM fallback calls it in halve mode, on every rank with the same
+        value. Each reader (DataLoader workers too: the budget is in shared
+        memory) uses it from the next batch it forms; batches already formed
+        (read ahead, or the final round's) stay, and the fallback trains them in
+        micro-batches. The ranks still yield equal counts: their agreement does
+        not depend on the budget. ``steps_done`` is the sampler's signature's.
+        """
+        self._budget.fill_(_checks.positive_number("max_tokens", max_tokens))
+        self._ceiling = max(self._ceiling, self.max_tokens)
+
     def set_epoch(self, epoch: int) -> None:
         """Read epoch ``epoch`` next: a new order, from ``(seed, epoch)``. Call it before each epoch."""
         self._epoch.fill_(_checks.non_negative_int("epoch", epoch))
@@ -164,7 +190,7 @@ class TokenBudgetStream(IterableDataset[list[Any]]):
             agree = process_group(reader.num_replicas)
         resume = self._take_resume(reader)
         settings = Settings(
-            self.cost, self.max_tokens, self.buffer_size, self.oversize, self.buckets, self.seed,
+            self.cost, self._made_with, self.buffer_size, self.oversize, self.buckets, self.seed,
             length_reader(self.length),
         )  # fmt: skip
         part = Part(
@@ -172,7 +198,10 @@ class TokenBudgetStream(IterableDataset[list[Any]]):
             worker=reader.worker, num_workers=reader.num_workers, epoch=self.epoch,
         )  # fmt: skip
         agree = agree if reader.num_replicas > 1 else None
-        run = self._run = Run(settings, part, reader, epoch=self.epoch, agree=agree, resume=resume)
+        budget = self._budget
+        run = self._run = Run(
+            settings, part, reader, epoch=self.epoch, agree=agree, resume=resume, budget=lambda: float(budget)
+        )
         yield from run.batches()
 
     def _reader(self) -> Reader:
@@ -205,7 +234,7 @@ class TokenBudgetStream(IterableDataset[list[Any]]):
     def _settings(self) -> dict[str, Any]:
         cost = self.cost
         return {
-            "max_tokens": self.max_tokens,
+            "max_tokens": self._made_with,
             "cost": [cost.linear, cost.quadratic, cost.per_sample, cost.pad_to_multiple_of],
             "buffer_size": self.buffer_size,
             "seed": self.seed,
@@ -227,6 +256,7 @@ class TokenBudgetStream(IterableDataset[list[Any]]):
         state: dict[str, Any] = {
             "version": STATE_VERSION,
             "settings": self._settings(),
+            "max_tokens": self.max_tokens,
             "epoch": self.epoch,
             "reader": None,
             "run": None,
@@ -281,7 +311,10 @@ class TokenBudgetStream(IterableDataset[list[Any]]):
                 f"stream.state_dict() on every rank, to a file per rank (accelerate's save_state keeps a "
                 f"registered object's state from the main process only)"
             )
+        budget = _checks.positive_number("state['max_tokens']", state["max_tokens"])
         self.set_epoch(_checks.non_negative_int("epoch", state["epoch"]))
+        self._budget.fill_(budget)
+        self._ceiling = budget
         self._resume = dict(state)
         self._run = None
 

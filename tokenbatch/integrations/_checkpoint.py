@@ -22,6 +22,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from tokenbatch.oom import OOMFallback
 from tokenbatch.sampler import TokenBudgetBatchSampler
+from tokenbatch.stream import TokenBudgetStream
 
 STATE_FILE = "tokenbatch_state.json"
 VERSION = 1
@@ -65,7 +66,7 @@ def read_state(checkpoint: str, oom_mode: str | None) -> dict[str, Any]:
 def checkpoint_state(
     *,
     oom_mode: str | None,
-    sampler: TokenBudgetBatchSampler,
+    sampler: TokenBudgetBatchSampler | TokenBudgetStream,
     fallback: OOMFallback | None,
     max_steps: int,
     schedule_length: int,
@@ -73,11 +74,14 @@ def checkpoint_state(
     """Where the run is: the sampler's position and budget, the fallback's state, the run's length.
 
     Checkpoints are saved after optimizer steps, when every batch handed out
-    has been trained: the sampler's ``position.trained`` counts them.
+    has been trained: the sampler's ``position.trained`` counts them. A stream
+    (an iterable train set) saves no position: such a run cannot be resumed yet.
     """
     return {
         "oom_mode": oom_mode,
-        "sampler": sampler.state_dict(steps_done=sampler.position.trained),
+        "sampler": None
+        if isinstance(sampler, TokenBudgetStream)
+        else sampler.state_dict(steps_done=sampler.position.trained),
         "fallback": None if fallback is None else fallback.state_dict(),
         "max_steps": max_steps,
         "schedule_length": schedule_length,

@@ -11,6 +11,7 @@ from torch import nn
 
 from tokenbatch.oom import Halve, OOMFallback, Split
 from tokenbatch.sampler import TokenBudgetBatchSampler
+from tokenbatch.stream import TokenBudgetStream
 
 logger = logging.getLogger("tokenbatch.integrations.transformers")
 
@@ -54,18 +55,23 @@ def labelled_items(trainer: Any, batch: Any) -> float:
 
 
 def make_fallback(
-    trainer: Any, sampler: TokenBudgetBatchSampler, model: nn.Module, state: dict[str, Any] | None
+    trainer: Any,
+    sampler: TokenBudgetBatchSampler | TokenBudgetStream,
+    model: nn.Module,
+    state: dict[str, Any] | None,
 ) -> OOMFallback:
     """The trainer's fallback for ``model`` (as Trainer wrapped it), resumed from ``state`` if given."""
     pad_token_id = getattr(trainer.processing_class, "pad_token_id", None)
+    # Shares that make the micro-batch losses add up to the batch loss (see guarded_step); Halve
+    # micro-batches a stream's batches formed before a re-budget.
+    weight = lambda piece: max(labelled_items(trainer, piece), 1e-12)  # noqa: E731
     fallback = OOMFallback(
         sampler,
         model,
         accelerator=SyncEveryStep(trainer.accelerator),
-        # Split: shares that make the micro-batch losses add up to the batch loss (see guarded_step).
-        mode=Split(weight=lambda piece: max(labelled_items(trainer, piece), 1e-12), pad_token_id=pad_token_id)
+        mode=Split(weight=weight, pad_token_id=pad_token_id)
         if trainer.oom_mode == "split"
-        else Halve(pad_token_id=pad_token_id),
+        else Halve(pad_token_id=pad_token_id, weight=weight),
         factor=trainer.oom_factor,
         min_tokens=trainer.min_tokens,
     )

@@ -44,6 +44,7 @@ from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 from transformers import Trainer
 from transformers.trainer_utils import TrainOutput, get_last_checkpoint
 
+from tokenbatch.cost import CostModel
 from tokenbatch.integrations import _schedule
 from tokenbatch.integrations._checkpoint import (
     CheckpointWriter,
@@ -51,11 +52,14 @@ from tokenbatch.integrations._checkpoint import (
     read_state,
     sampler_resumes,
 )
+from tokenbatch.integrations._data import loader_options
 from tokenbatch.integrations._feed import BudgetLoader, Feed, SizedBudgetLoader
 from tokenbatch.integrations._guard import guarded_backward, make_fallback, share_loss
 from tokenbatch.integrations._schedule import Run, RunProgress, StretchedSchedule, run_length
+from tokenbatch.integrations._stream import StreamLoader, check_max_steps, stream_dataloader
 from tokenbatch.oom import OOMFallback
 from tokenbatch.sampler import TokenBudgetBatchSampler
+from tokenbatch.stream import TokenBudgetStream
 
 logger = logging.getLogger("tokenbatch.integrations.transformers")
 
@@ -71,9 +75,11 @@ class BudgetLoop(Trainer):
     oom_mode: str | None
     oom_factor: float
     min_tokens: float | None
+    token_cost: CostModel
+    sampler_options: dict[str, Any]
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        self._sampler: TokenBudgetBatchSampler | None = None
+        self._sampler: TokenBudgetBatchSampler | TokenBudgetStream | None = None
         self._run: Run | None = None
         self._fallback: OOMFallback | None = None
         self._resume: dict[str, Any] | None = None
@@ -122,6 +128,35 @@ class BudgetLoop(Trainer):
         self._run = Run(budget_loader, schedule_length, max_steps, resumed=self._resume is not None)
         return budget_loader
 
+    def _stream_loader(self, dataset: Any) -> StreamLoader:
+        """What Trainer trains on for an iterable ``dataset``: a stream per rank (``_stream.py``)."""
+        args = self.args
+        check_max_steps(args)
+        if self._resume is not None:
+            raise ValueError(
+                "resume_from_checkpoint is not supported yet with an iterable train_dataset (each rank's "
+                "stream position would have to be saved per rank); start afresh, or use a map-style dataset"
+            )
+        names = getattr(self.processing_class, "model_input_names", None) or ["input_ids"]
+        columns = getattr(dataset, "column_names", None) or []
+        options = {
+            "collate_fn": self._get_collator_with_removed_columns(self.data_collator, description="training"),
+            **{k: v for k, v in loader_options(args, training=True).items() if k != "worker_init_fn"},
+        }
+        loader, stream = stream_dataloader(
+            dataset, self.max_tokens, cost=self.token_cost,
+            length=args.length_column_name if args.length_column_name in columns else names[0],
+            seed=args.data_seed if args.data_seed is not None else args.seed,
+            oversize=self.sampler_options["oversize"], options=options,
+        )  # fmt: skip
+        self._sampler = stream
+        main_input = getattr(self.model, "main_input_name", "input_ids")
+        stream_loader = StreamLoader(
+            loader, stream, accumulation=args.gradient_accumulation_steps, main_input_name=main_input
+        )
+        self._run = Run(stream_loader, args.max_steps, args.max_steps, resumed=False)
+        return stream_loader
+
     def create_scheduler(self, num_training_steps: int, optimizer: Any = None) -> LRScheduler:
         if self._run is not None:  # Trainer's count comes from the loader's bound
             num_training_steps = self._run.schedule_length
@@ -162,7 +197,8 @@ class BudgetLoop(Trainer):
             replanned = True  # halve mode: the rest of the epoch was re-planned from this batch on
             feed.restart()
             item = feed.next_batch()
-        if replanned and self.args.max_steps <= 0:  # a run of a fixed number of steps stays that long
+        # A run of a fixed number of steps stays that long (a stream's step is never re-planned).
+        if replanned and self.args.max_steps <= 0 and isinstance(feed, Feed):
             self._grow_run(feed)
         return loss if loss is not None else torch.zeros((), device=self.args.device)
 

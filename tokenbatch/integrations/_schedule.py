@@ -22,6 +22,7 @@ from typing import Any
 from transformers import TrainerCallback
 
 from tokenbatch.integrations._feed import BudgetLoader
+from tokenbatch.integrations._stream import StreamLoader
 from tokenbatch.sampler import TokenBudgetBatchSampler
 
 logger = logging.getLogger("tokenbatch.integrations.transformers")
@@ -120,7 +121,7 @@ class StretchedSchedule:
 class Run:
     """One ``train()`` call of a token-budget run: its loader and lengths, and the counts its logs need."""
 
-    loader: BudgetLoader
+    loader: BudgetLoader | StreamLoader
     schedule_length: int
     """Optimizer steps the learning-rate schedule is built for (the plans' count at the start of the run)."""
     max_steps: int
@@ -186,7 +187,7 @@ class RunProgress(TrainerCallback):
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         run = self.run()
-        if run is None:
+        if run is None or isinstance(run.loader, StreamLoader):  # a stream's epoch ends when it is read out
             return
         sampler = run.loader.sampler
         steps = sampler.plan.num_steps

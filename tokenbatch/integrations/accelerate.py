@@ -195,13 +195,15 @@ def progress(
 
     show = PartialState().is_local_main_process
     sampler = fallback.sampler
-    bar = tqdm(total=sampler.plan.num_steps, desc=desc, disable=not show)
+    plan = getattr(sampler, "plan", None)  # a TokenBudgetStream has none: its length is unknown
+    bar = tqdm(total=None if plan is None else plan.num_steps, desc=desc, disable=not show)
     batches = fallback.iterate(dataloader)
     try:
         with logging_redirect_tqdm() if show else nullcontext():
             for batch in batches:
                 yield batch
-                bar.total, bar.n = sampler.plan.num_steps, fallback.steps_done
+                bar.total = bar.total if plan is None else getattr(sampler, "plan", plan).num_steps
+                bar.n = fallback.steps_done
                 bar.set_postfix(budget=f"{fallback.max_tokens:g}", **(postfix() if postfix else {}))
     finally:
         close = getattr(batches, "close", None)

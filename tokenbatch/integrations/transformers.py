@@ -23,6 +23,7 @@ from tokenbatch.cost import CostModel
 from tokenbatch.oom import MODES, EvalGuard, OOMEvent, OOMFallback
 from tokenbatch.plan import OVERSIZE_POLICIES
 from tokenbatch.sampler import TokenBudgetBatchSampler
+from tokenbatch.stream import TokenBudgetStream
 
 MIN_TRANSFORMERS = "4.50"
 """The oldest transformers TokenBudgetTrainer is tested with (pyproject.toml's bound; .ci/run tests it)."""
@@ -47,6 +48,7 @@ try:
     from tokenbatch.integrations._feed import inverse_order, reorder
     from tokenbatch.integrations._guard import check_supported, labelled_items
     from tokenbatch.integrations._loop import BudgetLoop
+    from tokenbatch.integrations._stream import is_iterable
 except ImportError as error:  # pragma: no cover - the extra is not installed, or too old
     if "needs transformers>=" in str(error):
         raise
@@ -151,8 +153,8 @@ class TokenBudgetTrainer(BudgetLoop):
     # -- what it exposes -------------------------------------------------------------
 
     @property
-    def train_sampler(self) -> TokenBudgetBatchSampler | None:
-        """The sampler of the training DataLoader (set by ``get_train_dataloader``)."""
+    def train_sampler(self) -> TokenBudgetBatchSampler | TokenBudgetStream | None:
+        """The training DataLoader's sampler, or the stream of an iterable train set."""
         return self._sampler
 
     @property
@@ -202,6 +204,8 @@ class TokenBudgetTrainer(BudgetLoop):
         """What Trainer trains on: a :class:`~tokenbatch.integrations._feed.BudgetLoader` over the plan."""
         if self.train_dataset is None:
             raise ValueError("Trainer: training requires a train_dataset.")
+        if is_iterable(self.train_dataset):  # no lengths up front: a stream per rank (_stream.py)
+            return self._stream_loader(self.train_dataset)
         loader, sampler = self._budget_dataloader(
             self.train_dataset, super().get_train_dataloader, self.max_tokens, training=True
         )

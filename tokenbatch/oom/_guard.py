@@ -10,7 +10,6 @@ import torch
 from torch import nn
 
 from tokenbatch import _checks, distributed
-from tokenbatch._epoch import EpochCursor
 from tokenbatch.oom._accumulate import KeptGradients
 from tokenbatch.oom._attempt import ForwardBackward, StepWork
 from tokenbatch.oom._detect import free_memory
@@ -19,7 +18,9 @@ from tokenbatch.oom._events import OOMEvent
 from tokenbatch.oom._optimizer import guarded_step
 from tokenbatch.oom._outcome import Outcome, next_event, raise_on_every_rank, share
 from tokenbatch.oom._strategies import Strategy, as_strategy, moved_option
+from tokenbatch.oom._stream import with_cursor
 from tokenbatch.sampler import TokenBudgetBatchSampler
+from tokenbatch.stream import TokenBudgetStream
 
 logger = logging.getLogger("tokenbatch.oom")
 
@@ -30,7 +31,8 @@ class OOMFallback:
     """The guard around a training step: on out-of-memory, shrink the budget on every rank and carry on.
 
     Args:
-        sampler: the :class:`~tokenbatch.TokenBudgetBatchSampler` feeding the training DataLoader.
+        sampler: the :class:`~tokenbatch.TokenBudgetBatchSampler` feeding the training DataLoader,
+            or the :class:`~tokenbatch.TokenBudgetStream` it reads (see :mod:`tokenbatch.oom._stream`).
         model: the model as returned by ``accelerator.prepare`` (DDP-wrapped on
             several processes), or a plain ``nn.Module``.
         accelerator: optional; its ``backward`` is used (loss scaling, gradient
@@ -96,7 +98,7 @@ class OOMFallback:
 
     def __init__(
         self,
-        sampler: TokenBudgetBatchSampler,
+        sampler: TokenBudgetBatchSampler | TokenBudgetStream,
         model: nn.Module,
         *,
         accelerator: Any = None,
@@ -108,10 +110,10 @@ class OOMFallback:
     ) -> None:
         if moved:
             raise moved_option(moved)
-        if not isinstance(sampler, TokenBudgetBatchSampler):
+        if not isinstance(sampler, TokenBudgetBatchSampler | TokenBudgetStream):
             raise TypeError(
-                f"sampler should be the tokenbatch.TokenBudgetBatchSampler feeding the DataLoader, "
-                f"but got sampler of type {type(sampler).__name__}"
+                f"sampler should be the tokenbatch.TokenBudgetBatchSampler feeding the DataLoader (or the "
+                f"TokenBudgetStream it reads), but got sampler of type {type(sampler).__name__}"
             )
         if not isinstance(model, nn.Module):
             raise TypeError(
@@ -120,14 +122,14 @@ class OOMFallback:
         self.sampler = sampler
         self.model = model
         self.accelerator = accelerator
-        self._strategy = as_strategy(mode)
+        # A stream's cursor, and in halve mode its own strategy: see oom/_stream.py.
+        self._strategy, self._cursor = with_cursor(sampler, as_strategy(mode))
         self.factor = _checks.shrink_factor("factor", factor)
         self.min_tokens = None if min_tokens is None else _checks.positive_number("min_tokens", min_tokens)
         self.events: list[OOMEvent] = []
         self._passes = ForwardBackward(model, accelerator, cost=sampler.cost, strategy=self._strategy)
         self._passes.overlap = bool(overlap)  # with DDP: gradients all-reduced during backward
         self._micro_tokens = sampler.max_tokens  # split mode: the budget one forward/backward must fit
-        self._cursor = EpochCursor(sampler)
         self._listeners: list[Callable[[OOMFallback], None]] = []
         self._unreported = False  # events recorded since the listeners last ran
         weight = getattr(self._strategy, "weight", "samples")
@@ -318,7 +320,7 @@ class OOMFallback:
                     kept.restore()  # the step is dropped on every rank; the group's earlier gradients stay
                     self._replan(event)
                     return None
-                self._micro_tokens = event.new_max_tokens  # and try again, in smaller micro-batches
+                self._lower(event.new_max_tokens, steps_done=step)  # and try again, in smaller micro-batches
                 attempt += 1
             if work.average is not None:
                 work.average.average_into_grads(any_grad)
@@ -340,7 +342,7 @@ class OOMFallback:
         """Put ``max_tokens`` in force: as the micro-batch budget, or by re-planning the rest of the epoch."""
         if self._strategy.keeps_step:
             self._micro_tokens = max_tokens
-        else:
+        if self._strategy.rebudgets:
             self.sampler.replan(max_tokens, steps_done=steps_done)
 
     def _replan(self, event: OOMEvent) -> None:

@@ -27,6 +27,8 @@ class Strategy:
     """``"split"`` or ``"halve"``: the guard's ``mode``."""
     keeps_step: ClassVar[bool]
     """True: the failed step is retried under the new budget; False: it is dropped."""
+    rebudgets: ClassVar[bool] = False
+    """True: the new budget goes to the sampler (or stream) that forms the batches."""
     pad_token_id: int | None
 
     def read(self, batch: Any) -> BatchShape:
@@ -80,11 +82,7 @@ class Split(Strategy):
     trim_padding: bool = True
 
     def __post_init__(self) -> None:
-        if not (self.weight in ("samples", "tokens") or callable(self.weight)):
-            raise ValueError(
-                f"weight should be 'samples', 'tokens' or a function, but got weight={self.weight!r}"
-            )
-        object.__setattr__(self, "trim_padding", _checks.boolean("trim_padding", self.trim_padding))
+        _check_split_options(self)
 
     def split_budget(self, micro_tokens: float, sampler_tokens: float) -> float | None:
         # Until a first out-of-memory error the batches run as planned, oversize ones included.
@@ -100,16 +98,34 @@ class Halve(Strategy):
 
     The semantics of accelerate's ``find_executable_batch_size``, without
     the restart: the failed batch's samples are planned again, under the new
-    budget, with the rest of the epoch.
+    budget, with the rest of the epoch. With a :class:`~tokenbatch.TokenBudgetStream`
+    the stream forms its next batches under the new budget, and the batches it
+    had formed already (the failed one, those read ahead) are trained in
+    micro-batches, as :class:`Split` does (see ``docs/streaming.md``).
 
     Args:
         pad_token_id: read row lengths from ``input_ids`` when batches have no
             ``attention_mask`` (the failed batch's cost and longest sequence).
+        weight, trim_padding: as :class:`Split`'s, for a stream's micro-batches.
     """
 
     name: ClassVar[str] = "halve"
     keeps_step: ClassVar[bool] = False
+    rebudgets: ClassVar[bool] = True
     pad_token_id: int | None = None
+    weight: str | Callable[[Any], float] = "samples"
+    trim_padding: bool = True
+
+    def __post_init__(self) -> None:
+        _check_split_options(self)
+
+
+def _check_split_options(strategy: Split | Halve) -> None:
+    if not (strategy.weight in ("samples", "tokens") or callable(strategy.weight)):
+        raise ValueError(
+            f"weight should be 'samples', 'tokens' or a function, but got weight={strategy.weight!r}"
+        )
+    object.__setattr__(strategy, "trim_padding", _checks.boolean("trim_padding", strategy.trim_padding))
 
 
 def as_strategy(mode: str | Strategy) -> Strategy:
