@@ -79,8 +79,9 @@ class Growth:
             # The peak since the last reading: the previous optimizer step and this forward and
             # backward, paired with this rank's batch cost where the batch ran whole.
             peak = self._read()
-            if peak is not None and self.strategy.split_budget(budget, self.sampler.max_tokens) is None:
-                self._fit.add(self.strategy.read(batch).cost(self.sampler.cost), peak)
+            local = self.strategy.read(batch).cost(self.sampler.cost) if peak is not None else 0.0
+            if peak is not None and (local <= budget or not self.strategy.keeps_step):
+                self._fit.add(local, peak)
         reason = self.search.reason
         old = self.search.trained(budget=budget, step_cost=self.step_cost(step))
         if old is None:

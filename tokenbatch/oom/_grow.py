@@ -8,7 +8,7 @@ out of memory (``failed``), and at a step boundary proposes the midpoint::
     cost   proven ........ try = (proven + failed) / 2 ........ failed
            trained          the next budget tried               ran out of memory
 
-A try that trains a step costing more than the budget before it is a
+A try that trains a step costing at least ``1 - tolerance`` of it is a
 success (:class:`GrowEvent`); a try that runs out of memory moves ``failed``
 down and puts the budget back where it was (the step is recovered like any
 other OOM). Any later OOM goes back to ``proven`` rather than below it. It
@@ -52,7 +52,8 @@ class Grow:
     Example:
         >>> import torch
         >>> from tokenbatch import OOMFallback, TokenBudgetBatchSampler
-        >>> sampler = TokenBudgetBatchSampler([4] * 12, max_tokens=16)
+        >>> from tokenbatch.oom import Grow
+        >>> sampler = TokenBudgetBatchSampler([4, 5, 6] * 4, max_tokens=16)
         >>> fallback = OOMFallback(sampler, torch.nn.Linear(4, 1), mode="halve", grow=Grow(tolerance=0.1))
         >>> fallback.grow.tolerance
         0.1
@@ -187,17 +188,19 @@ class BudgetSearch:
             self.proven = None  # what trained before fails now: memory is tighter than it was
         if back is not None:
             self.failures += 1
-        else:
-            back = self.proven
-        return max(back, halved) if back is not None and back < failed_cost else halved
+        # A budget that trained, or the costliest step that did (a try's cheaper steps count too).
+        known = [b for b in (back, self.proven) if b is not None and b < failed_cost]
+        return max([*known, halved])
 
     def trained(self, *, budget: float, step_cost: float) -> float | None:
         """A step of ``step_cost`` trained under ``budget``: the old budget if it proved a try, else None."""
         self.calm += 1
         cost = min(step_cost, budget)  # split mode: the micro-batches fitted the budget
         self.proven = cost if self.proven is None else max(self.proven, cost)
-        if self.trying is None or self.before is None or step_cost <= self.before:
-            return None  # no try, or not yet shown: this step would have fitted before
+        if self.trying is None or self.before is None:
+            return None
+        if step_cost < (1 - self.grow.tolerance) * self.trying:
+            return None  # not yet shown: a step about as costly as the try must train under it
         old, self.trying, self.before = self.before, None, None
         return old
 
