@@ -1,9 +1,9 @@
 """The guard's side of growth: what it feeds :class:`~tokenbatch.oom._grow.BudgetSearch`, and when.
 
 :class:`Growth` turns what the guard sees into the search's inputs, all of
-them the same on every rank: a failed step's shared outcomes, a trained
-step's cost in the sampler's global plan (the costliest batch of the step,
-over all ranks), the step count, and, every ``check_every`` steps, the
+them the same on every rank: a failed step's shared outcomes, what a trained
+step showed to fit, from the sampler's global plan (the cheapest batch, or
+micro-batch, that every rank ran), the step count, and, every ``check_every`` steps, the
 smallest budget any rank's peak memory proposes (one all-reduce, only where
 peaks can be read). It records a :class:`~tokenbatch.oom.GrowEvent` for each
 try that trained, and logs it. Made with ``grow=None`` (``OOMFallback(grow=False)``)
@@ -24,6 +24,7 @@ from tokenbatch.oom._events import OOMEvent
 from tokenbatch.oom._grow import BudgetSearch, Grow, GrowEvent
 from tokenbatch.oom._outcome import Outcome
 from tokenbatch.oom._peak import PeakFit, cuda_reader
+from tokenbatch.oom._split import BatchShape, plan_micro_batches
 from tokenbatch.oom._strategies import Strategy
 from tokenbatch.sampler import TokenBudgetBatchSampler
 
@@ -37,7 +38,8 @@ class Growth:
         self, grow: Grow | None, *, sampler: TokenBudgetBatchSampler, model: nn.Module, strategy: Strategy
     ) -> None:
         self.sampler, self.strategy, self.mode = sampler, strategy, strategy.name
-        self.search = None if grow is None else BudgetSearch(grow, ceiling=sampler.max_tokens)
+        near = not strategy.keeps_step
+        self.search = None if grow is None else BudgetSearch(grow, ceiling=sampler.max_tokens, near=near)
         self.events: list[GrowEvent] = []
         self._read: Callable[[], float | None] | None = None
         self._capacity: float | None = None
@@ -51,11 +53,24 @@ class Growth:
         self._fit = PeakFit()
         self._trained = 0
 
-    def step_cost(self, step: int) -> float:
-        """The cost of step ``step``'s costliest batch in the global plan (every rank's, alike)."""
+    def step_cost(self, step: int, budget: float) -> float:
+        """What step ``step`` showed to fit on every rank: the cheapest of its batches in the global plan.
+
+        A batch's cost is its own, or, where split mode cut it to ``budget``, its costliest
+        micro-batch (cut as the guard cuts it, from the plan's lengths). The cheapest over
+        the ranks, as ranks may differ in memory: each of them ran at least that much.
+        """
         plan, lengths, cost = self.sampler.plan, self.sampler.lengths, self.sampler.cost
-        batches = [plan.batch(b) for b in range(plan.step_start(step), plan.step_start(step + 1))]
-        return max(len(b) * float(cost.sample_cost(int(lengths[b].max()))) for b in batches)
+        split = self.strategy.split_budget(budget, self.sampler.max_tokens) is not None
+        shown = []
+        for index in range(plan.step_start(step), plan.step_start(step + 1)):
+            rows = lengths[plan.batch(index)]
+            shape = BatchShape(len(rows), int(rows.max()), rows, right_padded=True)
+            pieces = (
+                plan_micro_batches(shape, cost, budget) if split and shape.cost(cost) > budget else [None]
+            )
+            shown.append(max(shape.cost(cost, piece) for piece in pieces))
+        return min(shown)
 
     def failed(self, event: OOMEvent, outcomes: Sequence[Outcome]) -> OOMEvent:
         """The event of an OOM, with the budget put back (and ``growth`` set) where a try failed."""
@@ -83,7 +98,7 @@ class Growth:
             if peak is not None and (local <= budget or not self.strategy.keeps_step):
                 self._fit.add(local, peak)
         reason = self.search.reason
-        old = self.search.trained(budget=budget, step_cost=self.step_cost(step))
+        old = self.search.trained(budget=budget, step_cost=self.step_cost(step, budget))
         if old is None:
             return None
         event = GrowEvent(self.sampler.epoch, step, self.mode, old, budget, reason)

@@ -8,13 +8,14 @@ out of memory (``failed``), and at a step boundary proposes the midpoint::
     cost   proven ........ try = (proven + failed) / 2 ........ failed
            trained          the next budget tried               ran out of memory
 
-A try that trains a step costing at least ``1 - tolerance`` of it is a
-success (:class:`GrowEvent`); a try that runs out of memory moves ``failed``
-down and puts the budget back where it was (the step is recovered like any
-other OOM). Any later OOM goes back to ``proven`` rather than below it. It
-stops once ``failed - proven <= tolerance * failed`` or after
-``max_failures`` failed tries, and never tries at or above a cost that
-failed, unless told that memory changed (:meth:`BudgetSearch.memory_changed`).
+A try that trains a step costing at least ``1 - tolerance`` of it (split
+mode: more than the budget before it) is a success (:class:`GrowEvent`);
+a try that runs out of memory moves ``failed`` down and puts the budget
+back where it was (the step is recovered like any other OOM). Any later OOM
+goes back to ``proven`` rather than below it. It stops once
+``failed - proven <= tolerance * failed`` or after ``max_failures`` failed
+tries, and never tries at or above a cost that failed, unless told that
+memory changed (:meth:`BudgetSearch.memory_changed`).
 
 Everything here is pure and is fed only what every rank knows alike (the
 shared outcomes, step counts, the plan's costs), so every rank takes the
@@ -171,6 +172,10 @@ class BudgetSearch:
     before: float | None = None
     """The budget to go back to if the try fails."""
     reason: str = "bracket"
+    near: bool = True
+    """A try is shown by a step costing ``1 - tolerance`` of it (halve mode: a re-plan puts its
+    costliest step first); False: by one costing more than the budget before (split mode, whose
+    micro-batches are shared out evenly, so rarely as large as the budget)."""
     calm: int = 0
     """Steps trained since the budget last changed."""
 
@@ -199,8 +204,9 @@ class BudgetSearch:
         self.proven = cost if self.proven is None else max(self.proven, cost)
         if self.trying is None or self.before is None:
             return None
-        if step_cost < (1 - self.grow.tolerance) * self.trying:
-            return None  # not yet shown: a step about as costly as the try must train under it
+        needed = (1 - self.grow.tolerance) * self.trying if self.near else self.before
+        if step_cost < needed or step_cost <= self.before:
+            return None  # not yet shown: this step would have fitted before (or is far below the try)
         old, self.trying, self.before = self.before, None, None
         return old
 
