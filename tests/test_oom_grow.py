@@ -277,3 +277,24 @@ def test_events_say_what_happened() -> None:
     assert all("growth try failed" in t for t in text)
     assert str(fallback.growth_events[0]).startswith("grew max_tokens")
     assert GrowEvent.from_dict(fallback.growth_events[0].as_dict()) == fallback.growth_events[0]
+
+
+@pytest.mark.slow
+def test_the_growth_benchmark_runs_quick(tmp_path: Path) -> None:
+    import json
+    import os
+    import subprocess
+
+    repo = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(repo), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.growth", "--quick", "--out", str(tmp_path)],
+        cwd=repo, env=env, capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads((tmp_path / "growth.json").read_text())
+    rows = {(r["start"], r["schedule"]): r for r in result["search"]}
+    # From 1.5x the limit, growth recovers what halving loses (halving lands at 0.75).
+    assert rows[(1.5, "halve")]["final_over_limit"] == pytest.approx(0.75, abs=0.02)
+    assert rows[(1.5, "grow")]["final_over_limit"] >= 0.9
+    assert rows[(16.0, "factor-0.9")]["oom_events"] > rows[(16.0, "grow")]["oom_events"]
