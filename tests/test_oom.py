@@ -69,7 +69,7 @@ def reference() -> torch.Tensor:
 
 @pytest.mark.parametrize("where", ["forward", "backward"])
 def test_split_matches_a_run_without_oom(reference: torch.Tensor, where: str) -> None:
-    model, trained, fallback = train("split", limit=200, where=where)
+    model, trained, fallback = train("split", limit=200, where=where, grow=False)  # plain halving
     assert sorted(trained) == sorted(list(range(64)) * 2)
     [event] = fallback.events
     assert (event.step, event.mode, event.where, event.ranks) == (0, "split", (where,), (0,))
@@ -80,7 +80,7 @@ def test_split_matches_a_run_without_oom(reference: torch.Tensor, where: str) ->
 
 @pytest.mark.parametrize("where", ["forward", "backward"])
 def test_halve_replans_the_rest_of_the_epoch(reference: torch.Tensor, where: str) -> None:
-    model, trained, fallback = train("halve", limit=200, where=where)
+    model, trained, fallback = train("halve", limit=200, where=where, grow=False)  # plain halving
     assert sorted(trained) == sorted(list(range(64)) * 2)  # the failed batch's samples come back once
     [event] = fallback.events
     assert fallback.sampler.max_tokens == fallback.max_tokens == event.new_max_tokens < 128
@@ -89,7 +89,7 @@ def test_halve_replans_the_rest_of_the_epoch(reference: torch.Tensor, where: str
 
 
 def test_retries_until_micro_batches_fit(reference: torch.Tensor) -> None:
-    model, _, fallback = train("split", limit=40, where="backward")
+    model, _, fallback = train("split", limit=40, where="backward", grow=False)
     assert [e.attempt for e in fallback.events] == list(range(len(fallback.events)))
     assert len(fallback.events) >= 3 and fallback.max_tokens <= 40
     assert torch.allclose(flat_params(model), reference, atol=1e-6, rtol=0)
@@ -198,7 +198,8 @@ def test_fallback_state_restores_the_micro_batch_budget() -> None:
 def test_the_budget_that_worked_is_remembered(tmp_path: Path, mode: str) -> None:
     cache = BudgetCache(tmp_path / "budgets.json")
     key = BudgetKey("tiny-bert", "cpu:test", 2**30, "float32", 1)
-    _, _, fallback = train(mode, limit=200, epochs=1, setup=lambda f: remember_budget(f, key, cache))
+    remember = lambda f: remember_budget(f, key, cache)  # noqa: E731
+    _, _, fallback = train(mode, limit=200, epochs=1, setup=remember, grow=False)  # growth: test_oom_grow
     entry = cache.get(key)
     assert entry is not None and entry["max_tokens"] == fallback.max_tokens < 256
     assert entry["source"] == "oom" and entry["mode"] == mode
@@ -256,7 +257,7 @@ def test_start_from_lowers_the_budget_and_listeners_hear_of_new_budgets(mode: st
         assert not fallback.start_from(256) and fallback.start_from(220) and fallback.max_tokens == 220
         fallback.add_listener(lambda f: heard.append(f.max_tokens))
 
-    _, trained, fallback = train(mode, limit=100, epochs=1, setup=setup)
+    _, trained, fallback = train(mode, limit=100, epochs=1, setup=setup, grow=False)  # growth: test_oom_grow
     assert sorted(trained) == list(range(64))
     assert fallback.events and fallback.events[0].old_max_tokens == 220
     if mode == "split":

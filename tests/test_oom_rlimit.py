@@ -41,3 +41,23 @@ def test_training_recovers_from_the_real_allocator_error(tmp_path: Path) -> None
         errors = run["forward_errors"] + [line for line in result["log"] if line.startswith("rank 0:")]
         assert any("DefaultCPUAllocator" in e for e in errors), errors
         assert all(e.split("|")[1] == "True" for e in run["forward_errors"])  # is_oom saw each one
+    for mode in ("split", "halve"):  # growth after the real allocator failure (issue 13)
+        run = result[f"{mode}_grow"]
+        assert sorted(run["trained"]) == sorted(list(range(run["num_samples"])) * run["epochs"]), mode
+        assert run["events"][0]["step"] == 0 and not run["events"][0]["growth"]
+        tries = [e for e in run["events"] if e["growth"]]
+        grown = run["growth_events"]
+        assert grown and len(tries) <= 3, mode  # a larger budget trained after the real failure
+        assert all(g["old_max_tokens"] < g["new_max_tokens"] for g in grown)
+        # In order, no try (failed or not) at or above a budget that ran out of memory before it.
+        marks = [
+            ((e["epoch"], e["step"], 0, i), e["growth"], e["old_max_tokens"])
+            for i, e in enumerate(run["events"])
+        ]
+        marks += [((g["epoch"], g["step"], 1, i), True, g["new_max_tokens"]) for i, g in enumerate(grown)]
+        failed = float("inf")
+        for when, is_try, budget in sorted(marks):
+            assert not is_try or budget < failed, (mode, when, budget, failed)
+            if when[2] == 0:
+                failed = min(failed, budget)
+        assert all(e.split("|")[1] == "True" for e in run["forward_errors"])

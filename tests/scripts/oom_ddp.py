@@ -55,12 +55,12 @@ def train(
         sampler = TokenBudgetBatchSampler(lengths, BUDGET, seed=0, rank=rank)
         loader = DataLoader(rows, batch_sampler=sampler, collate_fn=collate)
         model = DistributedDataParallel(model)
-        fallback = OOMFallback(sampler, model, mode=mode)
+        fallback = OOMFallback(sampler, model, mode=mode, grow=False)  # plain halving: oom_grow_ddp.py grows
     else:
         sampler = TokenBudgetBatchSampler(lengths, BUDGET, seed=0)
         loader = DataLoader(rows, batch_sampler=sampler, collate_fn=collate)
         model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
-        fallback = OOMFallback(sampler, model, accelerator=accelerator, mode=mode)
+        fallback = OOMFallback(sampler, model, accelerator=accelerator, mode=mode, grow=False)
     injector = None
     if where is not None:
         limit = 5 if fail == "too_large" else LIMIT

@@ -6,8 +6,9 @@ The script measures how much address space one forward and backward pass of
 a full batch and of a half batch take, then lowers ``RLIMIT_AS`` to halfway
 between them, so that the largest planned batch cannot be allocated while
 half of it can. It then trains one epoch in each mode under that limit and
-writes what happened. (A fixed malloc mmap threshold keeps freed activation
-memory going back to the system, so the measurements repeat.)
+writes what happened, then four epochs in each mode with growth (``grow=True``).
+(A fixed malloc mmap threshold keeps freed activation memory going back to
+the system, so the measurements repeat.)
 """
 
 from __future__ import annotations
@@ -77,14 +78,14 @@ def step_memory(model: torch.nn.Module, rows: int) -> int:
     return address_space("VmPeak") - before
 
 
-def train(mode: str, messages: list[str]) -> dict[str, Any]:
+def train(mode: str, messages: list[str], *, grow: bool = False, epochs: int = 1) -> dict[str, Any]:
     from torch.utils.data import DataLoader
 
     model, rows = model_and_data()
     sampler = TokenBudgetBatchSampler([len(r["input_ids"]) for r in rows], BUDGET, seed=0)
     loader = DataLoader(rows, batch_sampler=sampler, collate_fn=collate)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    fallback = OOMFallback(sampler, model, mode=mode)
+    fallback = OOMFallback(sampler, model, mode=mode, grow=grow)
     trained: list[int] = []
 
     def loss_fn(batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -94,15 +95,19 @@ def train(mode: str, messages: list[str]) -> dict[str, Any]:
             messages.append(f"{type(error).__name__}|{is_oom(error)}|{str(error).splitlines()[0]}")
             raise
 
-    for batch in fallback.iterate(loader):
-        if fallback.backward(batch, loss_fn) is not None:
-            trained += batch["idx"].tolist()
-            optimizer.step()
-            optimizer.zero_grad()
+    for epoch in range(epochs):
+        sampler.set_epoch(epoch)
+        for batch in fallback.iterate(loader):
+            if fallback.backward(batch, loss_fn) is not None:
+                trained += batch["idx"].tolist()
+                optimizer.step()
+                optimizer.zero_grad()
     return {
         "trained": trained,
         "num_samples": len(rows),
+        "epochs": epochs,
         "events": [e.as_dict() for e in fallback.events],
+        "growth_events": [e.as_dict() for e in fallback.growth_events],
         "max_tokens": fallback.max_tokens,
     }
 
@@ -137,8 +142,12 @@ def main() -> None:
     del model
     for mode in ("split", "halve"):
         messages: list[str] = []
-        result[mode] = train(mode, messages)
+        result[mode] = train(mode, messages)  # plain halving
         result[mode]["forward_errors"] = messages
+    for mode in ("split", "halve"):  # growth back towards the real limit, over more steps
+        messages = []
+        result[f"{mode}_grow"] = train(mode, messages, grow=True, epochs=4)
+        result[f"{mode}_grow"]["forward_errors"] = messages
     result["log"] = handler.records
     Path(sys.argv[1]).write_text(json.dumps(result, indent=1))
 

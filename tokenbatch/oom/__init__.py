@@ -18,6 +18,9 @@ Inside the package:
 
 - ``_guard``: :class:`OOMFallback`, the budgets and the step protocol;
 - ``_strategies``: :class:`Split` and :class:`Halve`;
+- ``_grow``, ``_climb``, ``_peak``: climbing back after an OOM (:class:`Grow`,
+  :class:`GrowEvent`): the bracket search, the guard's side of it, peak memory;
+- ``_saved``: the guard's saved state (version 2; version 1 still read);
 - ``_attempt``: one attempt of a step on this rank, with no collective;
 - ``_accumulate``: the gradients accumulated before a step, kept through its failure;
 - ``_optimizer``: ``optimizer.step()`` guarded the same way (``OOMFallback.step``);
@@ -34,12 +37,15 @@ Inside the package:
 from tokenbatch.oom._detect import free_memory, is_oom
 from tokenbatch.oom._eval import EvalGuard
 from tokenbatch.oom._events import OOMEvent, OptimizerOOMError, RankFailedError, SampleTooLargeError
+from tokenbatch.oom._grow import Grow, GrowEvent
 from tokenbatch.oom._guard import OOMFallback
 from tokenbatch.oom._strategies import MODES, Halve, Split
 
 __all__ = [
     "MODES",
     "EvalGuard",
+    "Grow",
+    "GrowEvent",
     "Halve",
     "OOMEvent",
     "OOMFallback",

@@ -74,11 +74,16 @@ class OOMEvent:
     """For each of ``ranks``: ``"forward"`` or ``"backward"``."""
     attempt: int = 0
     """0 for the step's first try; 1, 2, ... for retries of smaller micro-batches."""
+    growth: bool = False
+    """True: the step ran under a larger budget being tried (``OOMFallback(grow=...)``) and the
+    budget went back to the one before it, which had trained."""
 
     def __str__(self) -> str:
         places = ", ".join(f"rank {r} ({w})" for r, w in zip(self.ranks, self.where, strict=True))
         retry = f" (retry {self.attempt})" if self.attempt else ""
         action = "micro-batches" if self.mode == "split" else "re-planned the epoch"
+        if self.growth:
+            action = f"a growth try failed, back to the budget that trained; {action}"
         return (
             f"out of memory at epoch {self.epoch}, step {self.step}{retry} on {places}, longest sequence "
             f"{self.longest} tokens: max_tokens {self.old_max_tokens:g} -> {self.new_max_tokens:g} ({action})"
@@ -99,6 +104,8 @@ class OOMEvent:
                 wrong; the message names it, as ``name['field']``.
         """
         keys = [f.name for f in dataclasses.fields(cls)]
+        if isinstance(data, dict) and "growth" not in data:  # saved before growth existed
+            data = {**data, "growth": False}
         if not isinstance(data, dict) or set(data) != set(keys):
             raise ValueError(
                 f"{name} should be an OOMEvent.as_dict(), with keys {keys}, but got {name}={data!r:.200}"
@@ -123,4 +130,5 @@ class OOMEvent:
             ranks=tuple(count(f"{field['ranks']}[{i}]", r) for i, r in enumerate(ranks)),
             where=tuple(_checks.one_of(f"{field['where']}[{i}]", w, WHERE) for i, w in enumerate(where)),
             attempt=count(field["attempt"], data["attempt"]),
+            growth=_checks.boolean(field["growth"], data["growth"]),
         )

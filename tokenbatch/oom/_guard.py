@@ -12,11 +12,14 @@ from torch import nn
 from tokenbatch import _checks, distributed
 from tokenbatch.oom._accumulate import KeptGradients
 from tokenbatch.oom._attempt import ForwardBackward, StepWork
+from tokenbatch.oom._climb import Growth
 from tokenbatch.oom._detect import free_memory
 from tokenbatch.oom._eval import EvalGuard
 from tokenbatch.oom._events import OOMEvent
+from tokenbatch.oom._grow import Grow, GrowEvent, as_grow
 from tokenbatch.oom._optimizer import guarded_step
 from tokenbatch.oom._outcome import Outcome, next_event, raise_on_every_rank, share
+from tokenbatch.oom._saved import guard_state, read_guard_state
 from tokenbatch.oom._strategies import Strategy, as_strategy, moved_option
 from tokenbatch.oom._stream import with_cursor
 from tokenbatch.sampler import TokenBudgetBatchSampler
@@ -49,6 +52,10 @@ class OOMFallback:
             :class:`SampleTooLargeError` instead of trying again.
         overlap: with DDP, all-reduce gradients during backward in an order that a failed rank
             still completes (:mod:`tokenbatch.oom._overlap`); False: average them after backward.
+        grow: after an OOM, try budgets between the largest that trained and the smallest that failed,
+            each guarded like any step (:class:`~tokenbatch.oom.Grow` sets how; False: shrink only).
+            A failed try is in ``events`` (``growth=True``), each one that trained in ``growth_events``.
+            Default: on with a sampler, off with a stream (which has no plan to prove a budget on).
 
     Works with a plain module and with DDP (as ``accelerator.prepare`` wraps
     it); not with FSDP or DeepSpeed, which shard gradients themselves. The
@@ -86,12 +93,12 @@ class OOMFallback:
         >>> model = torch.nn.Linear(4, 1)
         >>> fallback = OOMFallback(sampler, model, mode="split")
         >>> batches = [torch.ones(len(indices), 4) for indices in sampler]
-        >>> with inject_oom(model, max_tokens=8, times=1):  # a batch of 16 tokens "runs out of memory"
+        >>> with inject_oom(model, max_tokens=8, times=1):  # a batch of 16 tokens "runs out of memory" once
         ...     losses = [fallback.backward(x, lambda x: model(x).square().mean())
         ...               for x in fallback.iterate(batches)]
         >>> event = fallback.events[0]
-        >>> event.step, event.where, event.old_max_tokens, event.new_max_tokens, fallback.max_tokens
-        (0, ('forward',), 16.0, 8.0, 8.0)
+        >>> event.step, event.where, event.old_max_tokens, event.new_max_tokens
+        (0, ('forward',), 16.0, 8.0)
         >>> fallback.steps_done == sampler.plan.num_steps and None not in losses
         True
     """
@@ -106,27 +113,23 @@ class OOMFallback:
         factor: float = 0.5,
         min_tokens: float | None = None,
         overlap: bool = True,
+        grow: bool | Grow | None = None,
         **moved: Any,
     ) -> None:
         if moved:
             raise moved_option(moved)
-        if not isinstance(sampler, TokenBudgetBatchSampler | TokenBudgetStream):
-            raise TypeError(
-                f"sampler should be the tokenbatch.TokenBudgetBatchSampler feeding the DataLoader (or the "
-                f"TokenBudgetStream it reads), but got sampler of type {type(sampler).__name__}"
-            )
+        # A stream's cursor, and in halve mode its own strategy: see oom/_stream.py (it checks the type).
+        self._strategy, self._cursor = with_cursor(sampler, as_strategy(mode))
         if not isinstance(model, nn.Module):
             raise TypeError(
                 f"model should be a torch.nn.Module, but got model of type {type(model).__name__}"
             )
-        self.sampler = sampler
-        self.model = model
-        self.accelerator = accelerator
-        # A stream's cursor, and in halve mode its own strategy: see oom/_stream.py.
-        self._strategy, self._cursor = with_cursor(sampler, as_strategy(mode))
+        self.sampler, self.model, self.accelerator = sampler, model, accelerator
         self.factor = _checks.shrink_factor("factor", factor)
         self.min_tokens = None if min_tokens is None else _checks.positive_number("min_tokens", min_tokens)
         self.events: list[OOMEvent] = []
+        self.grow = as_grow(grow, stream=isinstance(sampler, TokenBudgetStream))
+        self._growth = Growth(self.grow, sampler=sampler, model=model, strategy=self._strategy)
         self._passes = ForwardBackward(model, accelerator, cost=sampler.cost, strategy=self._strategy)
         self._passes.overlap = bool(overlap)  # with DDP: gradients all-reduced during backward
         self._micro_tokens = sampler.max_tokens  # split mode: the budget one forward/backward must fit
@@ -158,14 +161,18 @@ class OOMFallback:
         """After a halve-mode re-plan: the DataLoader must be iterated afresh (``iterate`` does it)."""
         return self._cursor.restart_pending
 
+    @property
+    def growth_events(self) -> list[GrowEvent]:
+        """Each larger budget that trained a step (``events`` holds the out-of-memory ones)."""
+        return self._growth.events
+
+    def memory_changed(self) -> None:
+        """Memory was freed (or the model changed): growth may try failed budgets again. On every rank."""
+        self._growth.memory_changed()
+
     def state_dict(self) -> dict[str, Any]:
-        """The budget and events, to save beside the sampler's ``state_dict``."""
-        return {
-            "version": 1,
-            "mode": self.mode,
-            "max_tokens": self.max_tokens,
-            "events": [event.as_dict() for event in self.events],
-        }
+        """The budget, events and growth bracket, to save beside the sampler's ``state_dict``."""
+        return guard_state(self.mode, self.max_tokens, self.events, self._growth.state())
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume the micro-batch budget (split mode) and the event history from :meth:`state_dict`.
@@ -173,25 +180,11 @@ class OOMFallback:
         Every field is checked before anything changes: on an error the fallback is as it was.
 
         Raises:
-            TypeError, ValueError: the state is not this mode's ``state_dict()``, or a field
-                is wrong; the message names it.
+            TypeError, ValueError: the state is not this mode's ``state_dict()`` (version 2 or 1),
+                or a field is wrong; the message names it.
         """
-        expected = {"version", "mode", "max_tokens", "events"}
-        if not isinstance(state, dict) or set(state) != expected or state["version"] != 1:
-            raise ValueError(
-                f"state should be an OOMFallback.state_dict() (version 1, keys {sorted(expected)}), "
-                f"but got {state!r:.200}"
-            )
-        if state["mode"] != self.mode:  # a halve-mode budget is the sampler's, not a micro-batch one
-            raise ValueError(
-                f"state['mode'] should be {self.mode!r}, this fallback's mode, but got "
-                f"state['mode']={state['mode']!r}; resume with OOMFallback(..., mode={state['mode']!r})"
-            )
-        max_tokens = _checks.positive_number("state['max_tokens']", state["max_tokens"])
-        saved = state["events"]
-        if not isinstance(saved, list | tuple):
-            raise TypeError(f"state['events'] should be a list, but got state['events']={saved!r:.100}")
-        events = [OOMEvent.from_dict(e, name=f"state['events'][{i}]") for i, e in enumerate(saved)]
+        max_tokens, events, growth = read_guard_state(state, self.mode)
+        self._growth.load(growth)  # raises before anything changes
         if self._strategy.keeps_step:
             self._micro_tokens = min(self.sampler.max_tokens, max_tokens)
         self.events = events
@@ -315,6 +308,7 @@ class OOMFallback:
                     min_tokens=self.min_tokens,
                     attempt=attempt,
                 )
+                event = self._growth.failed(event, outcomes)  # a failed try: back to the budget that trained
                 self._record(event)
                 if not self._strategy.keeps_step:
                     kept.restore()  # the step is dropped on every rank; the group's earlier gradients stay
@@ -326,10 +320,14 @@ class OOMFallback:
                 work.average.average_into_grads(any_grad)
             kept.release()
         self._cursor.steps_done = step + 1
+        if self._growth.trained(step=step, budget=self.max_tokens, batch=batch):
+            self._unreported = True  # a larger budget trained: the listeners remember it
         if self._unreported:
             self._unreported = False
             for listener in self._listeners:
                 listener(self)
+        if self._growth.try_larger(self.max_tokens, step + 1, self._lower):
+            self._cursor.replanned()  # halve mode: iterate() resumes afresh under the larger budget
         return work.loss
 
     def _record(self, event: OOMEvent) -> None:
@@ -339,7 +337,7 @@ class OOMFallback:
             logger.warning("%s", event)
 
     def _lower(self, max_tokens: float, *, steps_done: int) -> None:
-        """Put ``max_tokens`` in force: as the micro-batch budget, or by re-planning the rest of the epoch."""
+        """Put ``max_tokens`` in force (lower, or higher to grow): the micro-batch budget, or re-plan."""
         if self._strategy.keeps_step:
             self._micro_tokens = max_tokens
         if self._strategy.rebudgets:

@@ -49,9 +49,18 @@ class StreamHalve(Strategy):
 def with_cursor(
     sampler: TokenBudgetBatchSampler | TokenBudgetStream, strategy: Strategy
 ) -> tuple[Strategy, EpochCursor | StreamCursor]:
-    """The strategy and the cursor the guard uses for the batches ``sampler`` forms."""
+    """The strategy and the cursor the guard uses for the batches ``sampler`` forms.
+
+    Raises:
+        TypeError: ``sampler`` is neither a sampler nor a stream of tokenbatch.
+    """
     if isinstance(sampler, TokenBudgetBatchSampler):
         return strategy, EpochCursor(sampler)
+    if not isinstance(sampler, TokenBudgetStream):
+        raise TypeError(
+            f"sampler should be the tokenbatch.TokenBudgetBatchSampler feeding the DataLoader (or the "
+            f"TokenBudgetStream it reads), but got sampler of type {type(sampler).__name__}"
+        )
     if isinstance(strategy, Halve):
         strategy = StreamHalve(strategy, sampler)
     return strategy, StreamCursor(sampler)

@@ -1,0 +1,288 @@
+"""Climbing back after an out-of-memory error: the bracket of budgets, and when to try a larger one.
+
+Halving is safe but lands anywhere between half of what fits and all of it.
+:class:`BudgetSearch` keeps the bracket the run has learnt, in cost units:
+the costliest step that trained (``proven``) and the cheapest batch that ran
+out of memory (``failed``), and at a step boundary proposes the midpoint::
+
+    cost   proven ........ try = (proven + failed) / 2 ........ failed
+           trained          the next budget tried               ran out of memory
+
+A try that trains a step costing at least ``1 - tolerance`` of it (split
+mode: more than the budget before it) is a success (:class:`GrowEvent`);
+a try that runs out of memory moves ``failed`` down and puts the budget
+back where it was (the step is recovered like any other OOM). Any later OOM
+goes back to ``proven`` rather than below it. It stops once
+``failed - proven <= tolerance * failed`` or after ``max_failures`` failed
+tries, and never tries at or above a cost that failed, unless told that
+memory changed (:meth:`BudgetSearch.memory_changed`).
+
+Everything here is pure and is fed only what every rank knows alike (the
+shared outcomes, step counts, the plan's costs), so every rank takes the
+same decision at the same step without a collective.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from tokenbatch import _checks
+
+
+@dataclass(frozen=True, kw_only=True)
+class Grow:
+    """How :class:`~tokenbatch.OOMFallback` climbs back towards the largest budget that fits.
+
+    Args:
+        tolerance: stop trying once the bracket is this narrow, relative to
+            the smallest cost that failed (0.05: within 5%).
+        max_failures: failed tries (out-of-memory errors of a try) allowed in
+            the run; each costs one dropped (halve) or re-run (split) step.
+        patience: steps that must train under a budget before a larger one is tried.
+        memory_fraction: with step peaks to read (CUDA), propose a budget at
+            this fraction of the device's memory before any OOM; None: never.
+        check_every: steps between two proposals from peak memory (one small all-reduce each).
+        peak: where a step's peak memory comes from: a function returning the
+            bytes since its last call, or None (default: CUDA's
+            ``max_memory_allocated`` on a CUDA model, nothing on CPU).
+        capacity: the bytes ``memory_fraction`` is a fraction of (default: the CUDA device's total).
+
+    Example:
+        >>> import torch
+        >>> from tokenbatch import OOMFallback, TokenBudgetBatchSampler
+        >>> from tokenbatch.oom import Grow
+        >>> sampler = TokenBudgetBatchSampler([4, 5, 6] * 4, max_tokens=16)
+        >>> fallback = OOMFallback(sampler, torch.nn.Linear(4, 1), mode="halve", grow=Grow(tolerance=0.1))
+        >>> fallback.grow.tolerance
+        0.1
+    """
+
+    tolerance: float = 0.05
+    max_failures: int = 3
+    patience: int = 1
+    memory_fraction: float | None = 0.9
+    check_every: int = 20
+    peak: Callable[[], float | None] | None = None
+    capacity: float | None = None
+
+    def __post_init__(self) -> None:
+        tolerance = _checks.positive_number("tolerance", self.tolerance)
+        if tolerance >= 1:
+            raise ValueError(
+                f"tolerance should be below 1 (a fraction), but got tolerance={self.tolerance!r}"
+            )
+        fraction = self.memory_fraction
+        if fraction is not None and not 0 < _checks.positive_number("memory_fraction", fraction) < 1:
+            raise ValueError(
+                f"memory_fraction should be in (0, 1) or None, but got memory_fraction={fraction!r}"
+            )
+        if self.peak is not None and not callable(self.peak):
+            raise TypeError(f"peak should be a function returning bytes or None, but got peak={self.peak!r}")
+        _checks.non_negative_int("max_failures", self.max_failures)
+        _checks.non_negative_int("patience", self.patience)
+        _checks.positive_int("check_every", self.check_every)
+        if self.capacity is not None:
+            _checks.positive_number("capacity", self.capacity)
+
+
+def as_grow(grow: bool | Grow | None, *, stream: bool = False) -> Grow | None:
+    """The growth settings for ``OOMFallback(grow=...)``: None for ``False`` (plain halving).
+
+    ``None`` (the default) is growth for a sampler and none for a stream: a stream has no
+    global plan, so no step can prove a larger budget on every rank.
+    """
+    if grow is None:
+        return None if stream else Grow()
+    if not isinstance(grow, Grow | bool):
+        raise TypeError(
+            f"grow should be True, False or a tokenbatch.oom.Grow, but got grow={grow!r}; "
+            f"pass grow=False for the plain halving of earlier versions"
+        )
+    if stream and grow is not False:
+        raise ValueError(
+            f"grow should be False (or left out) with a TokenBudgetStream, but got grow={grow!r}: "
+            f"growth proves a budget on the sampler's global plan, which a stream does not have"
+        )
+    if isinstance(grow, Grow):
+        return grow
+    return Grow() if grow else None
+
+
+@dataclass(frozen=True)
+class GrowEvent:
+    """One successful growth: a larger budget trained a step that the budget before could not hold."""
+
+    epoch: int
+    step: int
+    """The step of the epoch that trained under the new budget, costing more than the old one."""
+    mode: str
+    old_max_tokens: float
+    new_max_tokens: float
+    reason: str = "bracket"
+    """``"bracket"`` (midpoint after an OOM) or ``"memory"`` (proposed from measured peaks)."""
+
+    def __str__(self) -> str:
+        return (
+            f"grew max_tokens {self.old_max_tokens:g} -> {self.new_max_tokens:g} at epoch {self.epoch}, "
+            f"step {self.step} ({self.reason}; {self.mode} mode)"
+        )
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Any, *, name: str = "event") -> GrowEvent:
+        """The event :meth:`as_dict` gave, every field checked."""
+        keys = [f.name for f in dataclasses.fields(cls)]
+        if not isinstance(data, dict) or set(data) != set(keys):
+            raise ValueError(
+                f"{name} should be a GrowEvent.as_dict(), with keys {keys}, but got {data!r:.200}"
+            )
+        count, number = _checks.non_negative_int, _checks.positive_number
+        return cls(
+            epoch=count(f"{name}['epoch']", data["epoch"]),
+            step=count(f"{name}['step']", data["step"]),
+            mode=_checks.one_of(f"{name}['mode']", data["mode"], ("split", "halve")),
+            old_max_tokens=number(f"{name}['old_max_tokens']", data["old_max_tokens"]),
+            new_max_tokens=number(f"{name}['new_max_tokens']", data["new_max_tokens"]),
+            reason=_checks.one_of(f"{name}['reason']", data["reason"], ("bracket", "memory")),
+        )
+
+
+@dataclass
+class BudgetSearch:
+    """The bracket of costs and the pending try; decides when and where to try a larger budget.
+
+    Example:
+        >>> search = BudgetSearch(Grow(), ceiling=1000.0)
+        >>> search.failed_try(budget=1000.0, failed_cost=990.0, halved=495.0)  # nothing known: halve
+        495.0
+        >>> search.trained(budget=495.0, step_cost=480.0)  # no try in force: None
+        >>> search.next_try(budget=495.0)  # (480 + 990) / 2
+        735.0
+        >>> search.start(735.0, before=495.0, reason="bracket")
+        >>> search.failed_try(budget=735.0, failed_cost=700.0, halved=350.0)  # back to what trained
+        495.0
+        >>> search.proven, search.failed, search.failures
+        (480.0, 700.0, 1)
+    """
+
+    grow: Grow
+    ceiling: float
+    proven: float | None = None
+    """The cost of the costliest step that trained (since the last OOM at or below it)."""
+    failed: float | None = None
+    """The cost of the cheapest batch that ran out of memory."""
+    failures: int = 0
+    """Tries that ran out of memory."""
+    trying: float | None = None
+    """The budget of the try in force, not yet shown to fit."""
+    before: float | None = None
+    """The budget to go back to if the try fails."""
+    reason: str = "bracket"
+    near: bool = True
+    """A try is shown by a step costing ``1 - tolerance`` of it (halve mode: a re-plan puts its
+    costliest step first); False: by one costing more than the budget before (split mode, whose
+    micro-batches are shared out evenly, so rarely as large as the budget)."""
+    calm: int = 0
+    """Steps trained since the budget last changed."""
+
+    def failed_try(self, *, budget: float, failed_cost: float, halved: float) -> float:
+        """An OOM at ``budget`` on a batch of ``failed_cost``: the new budget.
+
+        ``halved`` is the guard's usual rule (``factor * min(budget, failed_cost)``),
+        taken when nothing better is known: a failed try goes back to the budget
+        before it, any other OOM to the costliest step that trained, where those
+        are below the failed cost; never below ``halved``.
+        """
+        self.failed = failed_cost if self.failed is None else min(self.failed, failed_cost)
+        back, self.trying, self.before, self.calm = self.before, None, None, 0
+        if self.proven is not None and self.proven >= failed_cost:
+            self.proven = None  # what trained before fails now: memory is tighter than it was
+        if back is not None:
+            self.failures += 1
+        # A budget that trained, or the costliest step that did (a try's cheaper steps count too).
+        known = [b for b in (back, self.proven) if b is not None and b < failed_cost]
+        return max([*known, halved])
+
+    def trained(self, *, budget: float, step_cost: float) -> float | None:
+        """A step of ``step_cost`` trained under ``budget``: the old budget if it proved a try, else None."""
+        self.calm += 1
+        cost = min(step_cost, budget)  # split mode: the micro-batches fitted the budget
+        self.proven = cost if self.proven is None else max(self.proven, cost)
+        if self.trying is None or self.before is None:
+            return None
+        needed = (1 - self.grow.tolerance) * self.trying if self.near else self.before
+        if step_cost < needed or step_cost <= self.before:
+            return None  # not yet shown: this step would have fitted before (or is far below the try)
+        old, self.trying, self.before = self.before, None, None
+        return old
+
+    def next_try(self, budget: float) -> float | None:
+        """The budget to try now (the bracket's midpoint), or None to stay."""
+        if self.trying is not None or self.failed is None or self.proven is None:
+            return None
+        if self.failures >= self.grow.max_failures or self.calm < self.grow.patience:
+            return None
+        high = min(self.failed, self.ceiling)
+        if high - self.proven <= self.grow.tolerance * high:
+            return None
+        target = (self.proven + high) / 2
+        return target if target > budget else None
+
+    def memory_try(self, proposal: float, budget: float) -> float | None:
+        """Where a budget proposed from measured peaks leads: a budget to try, or None."""
+        if self.trying is not None or self.calm < self.grow.patience:
+            return None
+        target = min(proposal, self.ceiling)
+        if self.failed is not None and target >= self.failed:
+            return None  # never at or above a cost that failed: the bracket's midpoint does that
+        return target if target > budget * (1 + self.grow.tolerance) else None
+
+    def start(self, budget: float, *, before: float, reason: str) -> None:
+        """A try of ``budget`` is in force; ``before`` was the budget that trained."""
+        self.trying, self.before, self.reason, self.calm = budget, before, reason, 0
+
+    def cancel(self) -> None:
+        """The try could not be put in force (no step left to re-plan, too few samples): stay."""
+        self.trying = self.before = None
+
+    def memory_changed(self) -> None:
+        """Forget the failures: memory was freed (or the model changed), so larger budgets may fit again."""
+        self.failed, self.failures = None, 0
+
+    def state(self) -> dict[str, Any]:
+        return {
+            "ceiling": self.ceiling,
+            "proven": self.proven,
+            "failed": self.failed,
+            "failures": self.failures,
+            "trying": self.trying,
+            "before": self.before,
+            "reason": self.reason,
+        }
+
+    def load(self, state: Any, name: str = "state['growth']") -> None:
+        """Take the bracket from :meth:`state`, every field checked before anything changes."""
+        keys = set(self.state())
+        if not isinstance(state, dict) or set(state) != keys:
+            raise ValueError(f"{name} should hold the keys {sorted(keys)}, but got {state!r:.200}")
+
+        def budget(key: str) -> float | None:
+            value = state[key]
+            return None if value is None else _checks.positive_number(f"{name}[{key!r}]", value)
+
+        ceiling = _checks.positive_number(f"{name}['ceiling']", state["ceiling"])
+        proven, failed, trying, before = (budget(k) for k in ("proven", "failed", "trying", "before"))
+        failures = _checks.non_negative_int(f"{name}['failures']", state["failures"])
+        reason = _checks.one_of(f"{name}['reason']", state["reason"], ("bracket", "memory"))
+        if (trying is None) != (before is None):
+            raise ValueError(
+                f"{name}['trying'] and {name}['before'] should both be numbers or both None, "
+                f"but got {state!r:.200}"
+            )
+        self.ceiling, self.proven, self.failed, self.failures = ceiling, proven, failed, failures
+        self.trying, self.before, self.reason, self.calm = trying, before, reason, 0
