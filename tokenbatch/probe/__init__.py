@@ -65,7 +65,7 @@ that dominates only for tiny batches.
 """
 
 from tokenbatch._analytic import TASKS, resolve_task, stores_attention_scores
-from tokenbatch.probe._auto import MEMORY_ENV, AutoBudget, auto_budget, memory_limits
+from tokenbatch.probe._auto import MEMORY_ENV, AutoBudget, auto_budget, memory_limits, parse_memory
 from tokenbatch.probe._cache import BudgetCache, BudgetKey, default_path, remember_budget
 from tokenbatch.probe._find import ProbeResult, default_memory_limit, find_max_tokens, measure_peak
 from tokenbatch.probe._fit import Measurement, fit_memory
@@ -96,6 +96,7 @@ __all__ = [
     "held_bytes",
     "measure_peak",
     "memory_limits",
+    "parse_memory",
     "remember_budget",
     "resolve_task",
     "stores_attention_scores",

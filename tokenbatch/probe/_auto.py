@@ -253,6 +253,9 @@ def auto_budget(
                 margin=margin, make_batch=make_batch, loss_fn=loss_fn,
             )  # fmt: skip
             assert probe.fit is not None  # method="fit" always fits
+            # Under RLIMIT_AS the probe's own one-time mappings (the profiler's, ~150 MiB) stay and
+            # take room from training: the fitted model gives the budget for the room left now.
+            limit = min(limit, memory_limits(model, memory_limit, optimizer)[0])
             budget, source = budget_in_units(probe.fit, cost, lengths, limit, margin), "probe"
         else:
             budget, source = float(estimate), "estimate"  # type: ignore[arg-type]
