@@ -99,7 +99,9 @@ def test_bad_budgets_are_named() -> None:
     with pytest.raises(TypeError, match=r"positive number or 'auto', but got max_tokens='aut'"):
         TokenBudgetBatchSampler(LENGTHS, max_tokens="aut")
     sampler = TokenBudgetBatchSampler(LENGTHS, max_tokens="AUTO")
-    with pytest.raises(ValueError, match=r"max_tokens should be a positive finite number, but got max_tokens=0"):
+    with pytest.raises(
+        ValueError, match=r"max_tokens should be a positive finite number, but got max_tokens=0"
+    ):
         sampler.resolve(0)
     with pytest.raises(OversizeSampleError):  # oversize is judged against the resolved budget
         sampler.resolve(50)
@@ -210,6 +212,9 @@ def test_auto_under_rlimit_as_trains_and_twice_it_runs_out(tmp_path: Path) -> No
     assert 0 < report["memory_limit"] < 192 * 2**20
     assert report["at_budget"] == {"steps": 4, "oom": False, "error": None}
     assert report["at_double"]["oom"] and "can't allocate memory" in report["at_double"]["error"]
+    # The next run starts without the probe's mappings: it remembers the budget for the room before it.
+    (entry,) = json.loads((tmp_path / "budgets.json").read_text()).values()
+    assert entry["source"] == "probe" and entry["max_tokens"] > 1.05 * report["max_tokens"]
 
 
 @pytest.mark.slow

@@ -185,7 +185,9 @@ def auto_budget(
     model is turned into the sampler's cost units; with ``measure=False``, the
     analytic estimate from the config (:meth:`MemoryModel.from_config`). The
     ranks agree on the smallest, which the sampler then holds; the main
-    process remembers a probed budget (``remember``) and logs where it came from.
+    process remembers a probed budget (``remember``; under ``RLIMIT_AS`` the one
+    for the room before the probe, whose own mappings stay in this process
+    only) and logs where it came from.
 
     Args:
         model: the bare model (not DDP-wrapped), on its training device.
@@ -254,14 +256,17 @@ def auto_budget(
             )  # fmt: skip
             assert probe.fit is not None  # method="fit" always fits
             # Under RLIMIT_AS the probe's own one-time mappings (the profiler's, ~150 MiB) stay and
-            # take room from training: the fitted model gives the budget for the room left now.
+            # take room from training in this process, not in the next run, which starts from the
+            # cache: remember the budget for the room before the probe, train under the room left.
+            fresh = _agree(budget_in_units(probe.fit, cost, lengths, limit, margin))
             limit = min(limit, memory_limits(model, memory_limit, optimizer)[0])
             budget, source = budget_in_units(probe.fit, cost, lengths, limit, margin), "probe"
         else:
             budget, source = float(estimate), "estimate"  # type: ignore[arg-type]
+            fresh = budget
         budget = _agree(budget)
         if remember and distributed.rank() == 0:
-            _remember(store, key, budget, source, cost, limit)
+            _remember(store, key, max(fresh, budget), source, cost, limit)
     sampler.resolve(budget)
     result = AutoBudget(budget, source, key, memory_limit=limit, estimate=estimate, probe=probe)
     logger.info("max_tokens='auto' resolved to %s", result)
