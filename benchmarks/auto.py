@@ -21,7 +21,9 @@ starts; the model, gradients and AdamW state are already inside it). Runs
 go in rounds, each round one run of every setting, and epoch times are the
 medians over rounds; the machine is shared, so read ratios within one run.
 
-Usage: ``python -m benchmarks.auto [--quick] [--out DIR] [--texts N] [--room-mib M] [--rounds R]``.
+Usage: ``python -m benchmarks.auto [--quick] [--out DIR] [--texts N] [--room-mib M] [--rounds R]``
+(about 15 minutes on a shared 2-core CPU, 4 with ``--quick``; not part of ``python -m benchmarks``,
+whose quick suite must stay near a minute; ``benchmarks.report`` shows its results when present).
 """
 
 from __future__ import annotations

@@ -19,7 +19,8 @@ from typing import Any
 from benchmarks import common
 from benchmarks.readings import READERS, headline
 
-MODULES = ("padding", "planning", "streaming", "training", "oom_recovery", "probe", "gpu")
+# "auto" (benchmarks/auto.py) is run on its own, not by ``python -m benchmarks``: 15 minutes on CPU.
+MODULES = ("padding", "planning", "streaming", "training", "oom_recovery", "probe", "auto", "gpu")
 TITLES = {
     "padding": "Padding and steps",
     "planning": "Planning speed",
@@ -27,6 +28,7 @@ TITLES = {
     "training": "Training throughput (CPU)",
     "oom_recovery": "OOM recovery",
     "probe": "Budget probe",
+    "auto": 'max_tokens="auto" under a memory limit',
     "gpu": "GPU",
 }
 METHOD_STYLE = {
