@@ -19,14 +19,23 @@ from typing import Any
 from benchmarks import common
 from benchmarks.readings import READERS, headline
 
-MODULES = ("padding", "planning", "streaming", "training", "oom_recovery", "probe", "gpu", "ddp_overlap")
+# "auto" (benchmarks/auto.py) is run on its own, not by ``python -m benchmarks``: 15 minutes on CPU.
+MODULES = (
+    "padding", "planning", "streaming", "training", "oom_recovery",
+    "growth", "probe", "auto", "gpu", "ddp_overlap",
+)  # fmt: skip
+# What a person wrote about a benchmark's figures (benchmarks/notes/<name>.md): kept apart from
+# the generated results/<name>.md, so that rerunning a benchmark does not erase the reading.
+NOTES = Path(__file__).resolve().parent / "notes"
 TITLES = {
     "padding": "Padding and steps",
     "planning": "Planning speed",
     "streaming": "Streaming (TokenBudgetStream)",
     "training": "Training throughput (CPU)",
     "oom_recovery": "OOM recovery",
+    "growth": "Growth after OOM",
     "probe": "Budget probe",
+    "auto": 'max_tokens="auto" under a memory limit',
     "gpu": "GPU",
     "ddp_overlap": "DDP step time under the guard (overlapped all-reduce)",
 }
@@ -209,7 +218,8 @@ def assemble(results_dir: Path, output: Path) -> tuple[str, list[str]]:
         for file in drawn:
             parts.append(f"![{file}]({os.path.relpath(results_dir / file, output.parent)})\n")
         plots += drawn
-        for md in [results_dir / f"{name}.md", *(p.with_suffix(".md") for p in extra[name])]:
+        notes = NOTES / f"{name}.md"
+        for md in [results_dir / f"{name}.md", *(p.with_suffix(".md") for p in extra[name]), notes]:
             if md.exists():
                 # Demote the benchmark's own headings below this page's section heading.
                 parts.append(

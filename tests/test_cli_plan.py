@@ -155,3 +155,15 @@ def test_plan_prints_the_samplers_own_stats(
     padded = sum(len(b) * -(-int(lengths[b].max()) // 8) * 8 for b in sampler)
     assert plan["token_efficiency"] == pytest.approx(lengths.sum() / padded)  # padded as the collator pads
     assert (plan["batches"], plan["skipped"], plan["dropped"]) == (stats.num_batches, 0, 0)
+
+
+def test_plan_refuses_max_tokens_auto_saying_where_a_number_comes_from(
+    capsys: pytest.CaptureFixture[str], lengths_file: tuple[Path, np.ndarray]
+) -> None:
+    path, _ = lengths_file
+    error = fail(capsys, "plan", "--lengths", str(path), "--max-tokens", "auto")
+    assert "--max-tokens: auto needs a model and tokenbatch plan runs none" in error
+    assert "tokenbatch probe --model NAME --max-length N" in error
+    assert "should be a number of cost units, but got 'lots'" in fail(
+        capsys, "plan", "--lengths", str(path), "--max-tokens", "lots"
+    )

@@ -198,7 +198,7 @@ def test_help_shows_every_default(tmp_path: Path) -> None:
     text = " ".join(done.stdout.split())  # argparse wraps the help lines
     for default in ("bert-base-cased", "512", "16384", "split", "forward", "5e-05", "None", "none", "32"):
         assert f"(default: {default})" in text, default
-    assert text.count("(default: ") == 18, text  # every option but --help
+    assert text.count("(default: ") == 19, text  # every option but --help
 
 
 def test_rejects_a_budget_that_is_not_positive(tmp_path: Path) -> None:

@@ -12,14 +12,13 @@ import numpy as np
 from torch.utils.data import Sampler
 
 from tokenbatch import _checks, _reader, _state, distributed
+from tokenbatch._budget import BudgetSlot
 from tokenbatch._history import (
     History,
     Planner,
     Replan,
-    check_oversize,
     check_rank,
     per_sample_costs,
-    warn_if_one_length,
 )
 from tokenbatch._state import EpochPosition
 from tokenbatch.cost import CostModel
@@ -29,7 +28,7 @@ from tokenbatch.stats import PlanStats, batch_stats
 logger = logging.getLogger(__name__)
 
 
-class TokenBudgetBatchSampler(Sampler[list[int]]):
+class TokenBudgetBatchSampler(BudgetSlot, Sampler[list[int]]):
     """Batches of similar-length samples, each within a memory budget.
 
     A drop-in for ``DataLoader(dataset, batch_sampler=...)`` that replaces a
@@ -52,7 +51,8 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
             it (list, numpy array or tensor of ints >= 1).
             A column of token lists (``ds["input_ids"]``) gives each row's len().
         max_tokens: the budget for one batch, in ``cost`` units (padded tokens
-            with the default cost).
+            with the default cost); ``"auto"``: none until :meth:`resolve` (by
+            :func:`tokenbatch.auto_budget`), and nothing plans before it.
         cost: the memory estimate; ``CostModel()`` counts padded tokens.
         shuffle: randomise tie-breaks, batch boundaries and batch order.
         seed: the seed; every rank must use the same one.
@@ -92,7 +92,7 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
     def __init__(
         self,
         lengths: Sequence[int] | np.ndarray | Any,
-        max_tokens: float,
+        max_tokens: float | str,
         *,
         cost: CostModel | None = None,
         shuffle: bool = True,
@@ -125,14 +125,11 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
         # Sort keys and per-sample costs are computed once for the dataset.
         self._keys = np.asarray(self.cost.padded_length(self.lengths), dtype=np.int64)
         self._unit = per_sample_costs(self.cost, self._keys)
-        self._max_tokens = _checks.positive_number("max_tokens", max_tokens)
-        self._admitted = self._max_tokens  # oversize is judged against the budget given here
-        check_oversize(self._keys, self._unit, self._max_tokens, self.oversize)
+        # Oversize is judged against the budget given here (or resolved, for "auto": _budget).
+        self._init_budget(max_tokens)
         self._position = EpochPosition()
         self._warned_repeat = False
-        warn_if_one_length(self.lengths, self._unit, self._max_tokens, self.max_batch_size)
         # How this epoch's plan came about (_history): first budget and ranks (None: read when planned).
-        self._epoch_max_tokens = self._max_tokens
         self._epoch_world: int | None = None
         self._replans: tuple[Replan, ...] = ()
         self._cache: tuple[tuple[Any, ...], Plan] | None = None
@@ -147,6 +144,7 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
     @property
     def max_tokens(self) -> float:
         """The budget in force now (after any re-plan)."""
+        self._need_budget()
         return self._max_tokens
 
     @property
@@ -173,6 +171,7 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
 
     @property
     def _history(self) -> History:
+        self._need_budget()
         return History(self._epoch_max_tokens, self._epoch_world, self._replans)
 
     def _switch(
@@ -194,7 +193,7 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
         budget), so the length of a run is known before it starts.
         """
         epoch = _checks.non_negative_int("epoch", epoch)
-        budget = self._max_tokens if max_tokens is None else _checks.positive_number("max_tokens", max_tokens)
+        budget = self.max_tokens if max_tokens is None else _checks.positive_number("max_tokens", max_tokens)
         return self._make_plan(epoch, History(budget)).num_steps
 
     def _make_plan(self, epoch: int, history: History, names: list[str] | None = None) -> Plan:
@@ -224,6 +223,7 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
     def __iter__(self) -> Iterator[list[int]]:
         # Not a generator: the look at who iterates (once per pass, _reader) must happen when the
         # DataLoader iterator is made, on every rank, also where only one rank will ask for batches.
+        self._need_budget()
         caller = sys._getframe(1)
         reader = _reader.find(caller, self)  # first: it refuses accelerate's dispatching loader by name
         world = distributed.world_size()
@@ -341,6 +341,7 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
                 a field is out of range (the message names it), or what is left
                 cannot give every one of this many processes a batch.
         """
+        self._need_budget()
         saved = _state.read_state(state, self, self._lengths_digest)
         history, plan = _state.resume(
             saved, self.num_replicas, lambda h, names: self._make_plan(saved.epoch, h, names)

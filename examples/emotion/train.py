@@ -27,8 +27,16 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers import DataCollatorWithPadding
 
-from tokenbatch import BatchScaledLR, CostModel, OOMFallback, TokenBudgetBatchSampler, column_lengths
+from tokenbatch import (
+    BatchScaledLR,
+    CostModel,
+    OOMFallback,
+    TokenBudgetBatchSampler,
+    auto_budget,
+    column_lengths,
+)
 from tokenbatch.integrations.accelerate import finish, gather_samples, progress, token_cost
+from tokenbatch.probe import parse_memory, synthetic_batch
 from tokenbatch.testing import inject_oom
 
 POSITIVE = ("max_length", "train_limit", "eval_limit", "max_tokens", "eval_max_tokens", "crossover")
@@ -36,6 +44,11 @@ EPOCH_LINE = (
     "Epoch: {epoch}\tloss: {loss:.4f}\tmacro-F1: {macro_f1:.4f}\t({optimizer_steps} steps, budget "
     "{max_tokens:g}, {train_seconds:.1f} s, {tokens_per_second:,.0f} real tokens/s, {oom_events} OOM events)"
 )
+
+
+def budget(text: str) -> float | str:
+    """``--max_tokens``: a number, or ``auto`` (the remembered budget, else the probe's)."""
+    return "auto" if text.strip().lower() == "auto" else float(text)
 
 
 def parse_args(argv: list[str] | None = None) -> Namespace:
@@ -46,7 +59,12 @@ def parse_args(argv: list[str] | None = None) -> Namespace:
     add("--max_length", type=int, default=512, help="truncate texts to this many tokens")
     add("--train_limit", type=int, help="train on the first N training texts only")
     add("--eval_limit", type=int, help="validate on the first N validation texts only")
-    add("--max_tokens", type=float, default=16384, help="budget per batch and process, in tokens (README)")
+    add("--max_tokens", type=budget, default=16384, help="budget per batch and process, in tokens, or auto")
+    add(
+        "--memory_limit",
+        type=parse_memory,
+        help="--max_tokens auto: bytes (8GiB); unset: GPU free, CPU rlimit",
+    )
     add("--eval_max_tokens", type=float, help="budget for validation batches; unset: --max_tokens")
     add("--crossover", type=float, help="length at which attention doubles a text's cost; unset: the model's")
     add("--pad_to_multiple_of", type=int, help="pad batches to a multiple of this")
@@ -61,7 +79,7 @@ def parse_args(argv: list[str] | None = None) -> Namespace:
     add("--seed", type=int, default=0, help="seed of the plans and of the head's initialisation")
     args = parser.parse_args(argv)
     for name in (*POSITIVE, "pad_to_multiple_of", "simulate_oom_above", "num_epochs", "lr_reference"):
-        if (value := getattr(args, name)) is not None and not (math.isfinite(value) and value > 0):
+        if (value := getattr(args, name)) not in (None, "auto") and not (math.isfinite(value) and value > 0):
             parser.error(f"--{name} should be a positive number, but got {name}={value}")
     return args
 
@@ -94,7 +112,18 @@ def train(args: Namespace, accelerator: Accelerator) -> list[dict[str, Any]]:
     collator = DataCollatorWithPadding(tokenizer, pad_to_multiple_of=args.pad_to_multiple_of)
     lengths = column_lengths(train_set)  # as the collator pads them: the input_ids, special tokens included
     sampler = TokenBudgetBatchSampler(lengths, args.max_tokens, cost=cost, seed=args.seed)
-    eval_budget = args.eval_max_tokens or args.max_tokens
+    if not sampler.resolved:  # --max_tokens auto: the remembered budget, else the probe's, on every process
+        model.to(accelerator.device)  # the probe measures on the training device
+
+        def make_batch(size: int, length: int, generator: torch.Generator) -> dict[str, torch.Tensor]:
+            batch = synthetic_batch(model.encoder, size, length, generator)  # the encoder's inputs, + labels
+            return {**batch, "labels": torch.zeros(size, dtype=torch.long)}
+
+        chosen = auto_budget(
+            model, sampler, config=model.encoder.config, memory_limit=args.memory_limit, make_batch=make_batch
+        )
+        accelerator.print(f"--max_tokens auto: {chosen}")
+    eval_budget = args.eval_max_tokens or sampler.max_tokens
     eval_sampler = TokenBudgetBatchSampler(column_lengths(eval_set), eval_budget, cost=cost, shuffle=False)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.learning_rate)
     model, optimizer, train_loader, eval_loader = accelerator.prepare(
@@ -108,7 +137,7 @@ def train(args: Namespace, accelerator: Accelerator) -> list[dict[str, Any]]:
     stats, crossover = sampler.stats(), 1 / cost.quadratic if cost.quadratic else math.inf
     accelerator.print(
         f"{len(train_set)} training texts, {len(eval_set)} validation texts, {accelerator.num_processes} "
-        f"process(es), max_tokens={args.max_tokens:g} per process, attention crossover {crossover:.0f}: "
+        f"process(es), max_tokens={sampler.max_tokens:g} per process, attention crossover {crossover:.0f}: "
         f"{stats.num_steps} steps per epoch, {stats.mean_batch_size:.1f} texts per batch on average "
         f"(at most {stats.max_batch_size}), {stats.padding_efficiency:.0%} of padded tokens are real"
     )

@@ -44,7 +44,7 @@ def register(subparsers: Any) -> None:
     source.add_argument("--tokenizer", help="--data: tokenizer name or path, as for AutoTokenizer")
     source.add_argument("--max-length", type=int, help="--data: truncate at this many tokens")
     plan = parser.add_argument_group("plan")
-    plan.add_argument("--max-tokens", type=float, required=True, help="the budget, in cost units")
+    plan.add_argument("--max-tokens", type=_budget, required=True, help="the budget, in cost units")
     plan.add_argument("--attention", type=float, metavar="CROSSOVER", help="CostModel.attention(CROSSOVER)")
     plan.add_argument("--linear", type=float, default=1.0, help="cost per padded token (default 1)")
     plan.add_argument("--quadratic", type=float, default=0.0, help="cost per token pair (default 0)")
@@ -63,6 +63,21 @@ def register(subparsers: Any) -> None:
     output.add_argument("--json", action="store_true", help="print JSON instead of text")
     output.add_argument("--plot", type=Path, metavar="FILE.png", help="draw batch size against length")
     parser.set_defaults(func=run)
+
+
+def _budget(text: str) -> float:
+    """``--max-tokens``: a number; ``auto`` is refused, saying where a number comes from."""
+    if text.strip().lower() == "auto":
+        # "auto" resolves from a model (the remembered budget, else the probe); plan runs none.
+        raise argparse.ArgumentTypeError(
+            "auto needs a model and tokenbatch plan runs none: measure the budget with "
+            "`tokenbatch probe --model NAME --max-length N` (or read the one a max_tokens='auto' "
+            "training run logged) and pass that number, e.g. --max-tokens 16384"
+        )
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"should be a number of cost units, but got {text!r}") from None
 
 
 def read_lengths(args: argparse.Namespace) -> tuple[np.ndarray, str]:

@@ -19,6 +19,7 @@ from functools import partial
 from typing import Any, cast
 
 from tokenbatch import _checks
+from tokenbatch._budget import is_auto
 from tokenbatch.cost import CostModel
 from tokenbatch.oom import MODES, EvalGuard, OOMEvent, OOMFallback
 from tokenbatch.plan import OVERSIZE_POLICIES
@@ -49,6 +50,7 @@ try:
     from tokenbatch.integrations._guard import check_supported, labelled_items
     from tokenbatch.integrations._loop import BudgetLoop
     from tokenbatch.integrations._stream import is_iterable
+    from tokenbatch.probe import auto_budget
 except ImportError as error:  # pragma: no cover - the extra is not installed, or too old
     if "needs transformers>=" in str(error):
         raise
@@ -83,9 +85,13 @@ class TokenBudgetTrainer(BudgetLoop):
 
     Args:
         max_tokens: the training budget per batch and rank, in ``cost`` units
-            (padded tokens by default).
+            (padded tokens by default); ``"auto"``: resolved by
+            :func:`tokenbatch.auto_budget` when the first DataLoader is made
+            (the remembered budget, else the probe, on every rank; on CPU
+            it needs ``memory_limit``, ``$TOKENBATCH_MEMORY_LIMIT`` or ``RLIMIT_AS``).
         eval_max_tokens: the budget for evaluation and prediction (default
             ``max_tokens``; without gradients it can usually be larger).
+        memory_limit: bytes, for ``max_tokens="auto"`` (default: as :func:`~tokenbatch.auto_budget`).
         cost: the memory estimate; ``CostModel()`` counts padded tokens.
         oom_mode: ``"split"`` runs a batch that ran out of memory as smaller
             micro-batches (same batches and optimizer steps); ``"halve"``
@@ -111,8 +117,9 @@ class TokenBudgetTrainer(BudgetLoop):
     def __init__(
         self,
         *args: Any,
-        max_tokens: float,
-        eval_max_tokens: float | None = None,
+        max_tokens: float | str,
+        eval_max_tokens: float | str | None = None,
+        memory_limit: float | None = None,
         cost: CostModel | None = None,
         oom_mode: str | None = "split",
         oom_factor: float = 0.5,
@@ -122,11 +129,16 @@ class TokenBudgetTrainer(BudgetLoop):
         oversize: str = "alone",
         **kwargs: Any,
     ) -> None:
-        self.max_tokens = _checks.positive_number("max_tokens", max_tokens)
-        self.eval_max_tokens = (
-            self.max_tokens
-            if eval_max_tokens is None
+        # "auto" stays a string until _budget_dataloader resolves it (then both become that number).
+        auto = is_auto(max_tokens)
+        self.max_tokens: Any = "auto" if auto else _checks.positive_number("max_tokens", max_tokens)
+        eval_auto = (eval_max_tokens is None and auto) or is_auto(eval_max_tokens)
+        self.eval_max_tokens: Any = (
+            "auto" if eval_auto else self.max_tokens if eval_max_tokens is None
             else _checks.positive_number("eval_max_tokens", eval_max_tokens)
+        )  # fmt: skip
+        self.memory_limit = (
+            None if memory_limit is None else _checks.positive_number("memory_limit", memory_limit)
         )
         if cost is not None and not isinstance(cost, CostModel):
             raise TypeError(f"cost should be a tokenbatch.CostModel, but got cost={cost!r}")
@@ -195,6 +207,12 @@ class TokenBudgetTrainer(BudgetLoop):
             training=training,
             options=self.sampler_options,
         )
+        if not sampler.resolved:  # max_tokens="auto": resolve once, before accelerate reads the sampler
+            budget = auto_budget(
+                cast(nn.Module, self.model), sampler, memory_limit=self.memory_limit
+            ).max_tokens
+            self.max_tokens = budget if self.max_tokens == "auto" else self.max_tokens
+            self.eval_max_tokens = budget if self.eval_max_tokens == "auto" else self.eval_max_tokens
         base = plain()
         options = loader_options(self.args, training=training)
         loader = DataLoader(base.dataset, batch_sampler=sampler, collate_fn=base.collate_fn, **options)

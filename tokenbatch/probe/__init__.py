@@ -26,6 +26,9 @@ dtype, world size); ``tokenbatch probe --write-cache`` stores what it measured,
 and :func:`remember_budget` starts an OOM fallback from the cached budget and
 records each budget it falls back to.
 
+``max_tokens="auto"`` puts it together: :func:`auto_budget` gives a sampler made
+with it the remembered budget, else the probe's (see docs/trainer.md).
+
 Typical use, before building the sampler::
 
     result = find_max_tokens(model, lengths=lengths, memory_limit=8 * 2**30)
@@ -62,6 +65,7 @@ that dominates only for tiny batches.
 """
 
 from tokenbatch._analytic import TASKS, resolve_task, stores_attention_scores
+from tokenbatch.probe._auto import MEMORY_ENV, AutoBudget, auto_budget, memory_limits, parse_memory
 from tokenbatch.probe._cache import BudgetCache, BudgetKey, default_path, remember_budget
 from tokenbatch.probe._find import ProbeResult, default_memory_limit, find_max_tokens, measure_peak
 from tokenbatch.probe._fit import Measurement, fit_memory
@@ -70,7 +74,9 @@ from tokenbatch.probe._model import MemoryEstimate, MemoryFit, MemoryModel, esti
 from tokenbatch.probe._synthetic import LossFn, MakeBatch, default_loss, synthetic_batch
 
 __all__ = [
+    "MEMORY_ENV",
     "TASKS",
+    "AutoBudget",
     "BudgetCache",
     "BudgetKey",
     "LossFn",
@@ -80,6 +86,7 @@ __all__ = [
     "MemoryFit",
     "MemoryModel",
     "ProbeResult",
+    "auto_budget",
     "default_loss",
     "default_memory_limit",
     "default_path",
@@ -88,6 +95,8 @@ __all__ = [
     "fit_memory",
     "held_bytes",
     "measure_peak",
+    "memory_limits",
+    "parse_memory",
     "remember_budget",
     "resolve_task",
     "stores_attention_scores",
