@@ -118,8 +118,9 @@ class BudgetLoop(Trainer):
         else:  # more batches than all epochs hold: Trainer counts its epochs from 0 even when resuming
             bound = args.gradient_accumulation_steps * (int(args.num_train_epochs) * len(sampler.lengths) + 1)
             budget_loader = SizedBudgetLoader(loader, sampler, bound=bound, **options)
-        schedule_length, max_steps = run_length(sampler, args, self.max_tokens, self._resume)
-        self._run = Run(budget_loader, schedule_length, max_steps, resumed=self._resume is not None)
+        schedule_length, max_steps, left = run_length(sampler, args, self.max_tokens, self._resume)
+        resumed = self._resume is not None
+        self._run = Run(budget_loader, schedule_length, max_steps, resumed=resumed, left=left)
         return budget_loader
 
     def create_scheduler(self, num_training_steps: int, optimizer: Any = None) -> LRScheduler:
@@ -129,7 +130,9 @@ class BudgetLoop(Trainer):
         # Metric-driven schedulers (ReduceLROnPlateau, GreedyLR) do not count steps: nothing to stretch.
         stepped = isinstance(scheduler, LRScheduler) and not isinstance(scheduler, ReduceLROnPlateau)
         stepped = stepped and type(scheduler).__name__ != "GreedyLR"
-        if self.oom_mode == "halve" and self.args.max_steps <= 0 and stepped:
+        # Halve mode may add steps; a run resumed on another number of processes may have others left.
+        stretchable = self.oom_mode == "halve" or (self._run is not None and self._run.resumed)
+        if stretchable and self.args.max_steps <= 0 and stepped:
             self.lr_scheduler = cast(Any, StretchedSchedule(scheduler, num_training_steps))
         return cast(LRScheduler, self.lr_scheduler)
 

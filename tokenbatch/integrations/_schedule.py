@@ -43,9 +43,18 @@ def grown_length(
     ``remaining``: the batches of this epoch's plan not yet handed out; later
     epochs, up to ``epochs``, are planned under the sampler's budget in force.
     """
+    left = updates_left(sampler, remaining=remaining, accumulation=accumulation, epochs=epochs)
+    return global_step + 1 + left
+
+
+def updates_left(sampler: TokenBudgetBatchSampler, *, remaining: int, accumulation: int, epochs: int) -> int:
+    """Optimizer steps for ``remaining`` batches of this epoch's plan, then epochs up to ``epochs``.
+
+    Later epochs are planned under the sampler's budget in force, on its world size.
+    """
+    this = math.ceil(remaining / accumulation) if sampler.epoch < epochs else 0
     later = range(sampler.epoch + 1, epochs)
-    rest = sum(planned_updates(sampler, e, sampler.max_tokens, accumulation) for e in later)
-    return global_step + 1 + math.ceil(remaining / accumulation) + rest
+    return this + sum(planned_updates(sampler, e, sampler.max_tokens, accumulation) for e in later)
 
 
 def grow_run(state: Any, lr_scheduler: Any, callbacks: list[Any], total: int) -> None:
@@ -61,7 +70,7 @@ def grow_run(state: Any, lr_scheduler: Any, callbacks: list[Any], total: int) ->
 
 
 class StretchedSchedule:
-    """Wraps an LR scheduler built for ``length`` steps; :meth:`stretch` spreads its rest over more steps.
+    """Wraps an LR scheduler built for ``length`` steps; :meth:`stretch` spreads its rest over other steps.
 
     Until the first :meth:`stretch`, each ``step()`` is one step of the
     wrapped scheduler. After ``stretch(total)`` at optimizer step ``d``, the
@@ -126,26 +135,32 @@ class Run:
     max_steps: int
     """The run's optimizer steps: ``schedule_length``, or a resumed run's (grown by re-plans or not)."""
     resumed: bool
+    left: int = 0
+    """A resumed run's optimizer steps still to take, as its plans make them on this number of processes."""
     samples_since_log: int = 0
     logged_step: int = 0
 
 
 def run_length(
     sampler: TokenBudgetBatchSampler, args: Any, max_tokens: float, resume: dict[str, Any] | None
-) -> tuple[int, int]:
-    """``(schedule_length, max_steps)`` of a run over ``sampler`` with ``TrainingArguments`` ``args``.
+) -> tuple[int, int, int]:
+    """``(schedule_length, max_steps, left)`` of a run over ``sampler`` with ``TrainingArguments`` ``args``.
 
-    ``args.max_steps`` when set; else a resumed run's saved counts; else
+    ``args.max_steps`` when set; else a resumed run's saved counts, and the
+    optimizer steps ``left`` from where the resumed sampler is (on another
+    number of processes they differ from what the saved run had left); else
     exact: the plans under ``max_tokens`` are pure functions of (seed, epoch).
     """
     if args.max_steps > 0:
-        return args.max_steps, args.max_steps
-    if resume is not None:
-        return int(resume["schedule_length"]), int(resume["max_steps"])
+        return args.max_steps, args.max_steps, 0
     accumulation = args.gradient_accumulation_steps
     epochs = int(args.num_train_epochs)
+    if resume is not None:
+        remaining = sampler.plan.num_steps - sampler.start_step
+        left = updates_left(sampler, remaining=remaining, accumulation=accumulation, epochs=epochs)
+        return int(resume["schedule_length"]), int(resume["max_steps"]), left
     total = sum(planned_updates(sampler, epoch, max_tokens, accumulation) for epoch in range(epochs))
-    return total, total
+    return total, total, 0
 
 
 class RunProgress(TrainerCallback):
@@ -175,6 +190,21 @@ class RunProgress(TrainerCallback):
                 share = getattr(args, f"{kind}_steps", None)
                 if share is not None and share < 1:
                     setattr(state, f"{kind}_steps", math.ceil(run.schedule_length * share))
+        elif state.global_step + run.left != run.max_steps:
+            # Resumed on another number of processes (or for more epochs): what is left was planned
+            # again, in other optimizer steps. The schedule's rest is spread over them, without a jump.
+            logger.info(
+                "resumed at optimizer step %d: %d optimizer steps in all instead of %d, as the plans "
+                "make them on %d processes",
+                state.global_step,
+                state.global_step + run.left,
+                run.max_steps,
+                run.loader.sampler.num_replicas,
+            )
+            run.max_steps = state.global_step + run.left
+            scheduler = kwargs.get("lr_scheduler")
+            if isinstance(scheduler, StretchedSchedule):
+                scheduler.stretch(run.max_steps)
         state.max_steps = run.max_steps
         logger.info(
             "max_tokens=%g: %d optimizer steps over %d epochs, as the token-budget plans make them "
