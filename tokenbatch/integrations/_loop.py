@@ -53,6 +53,7 @@ from tokenbatch.integrations._checkpoint import (
 )
 from tokenbatch.integrations._feed import BudgetLoader, Feed, SizedBudgetLoader
 from tokenbatch.integrations._guard import guarded_backward, make_fallback, share_loss
+from tokenbatch.integrations._logs import rewritten, training_rules
 from tokenbatch.integrations._schedule import Run, RunProgress, StretchedSchedule, run_length
 from tokenbatch.oom import OOMFallback
 from tokenbatch.sampler import TokenBudgetBatchSampler
@@ -98,7 +99,11 @@ class BudgetLoop(Trainer):
             self._resume = read_state(os.fspath(checkpoint), self.oom_mode)
             if self.args.ignore_data_skip:
                 logger.warning("ignore_data_skip=True is ignored: the sampler resumes at the next sample")
-        with sampler_resumes(self.args, self._resume is not None):
+        epochs = int(self.args.num_train_epochs) if self.args.max_steps <= 0 else 0
+        lines = training_rules(
+            lambda: self._run, accumulation=self.args.gradient_accumulation_steps, epochs=epochs
+        )
+        with sampler_resumes(self.args, self._resume is not None), rewritten(lines):
             return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval)
 
     def _training_loader(self, loader: Any, sampler: TokenBudgetBatchSampler) -> BudgetLoader:
@@ -118,9 +123,7 @@ class BudgetLoop(Trainer):
         else:  # more batches than all epochs hold: Trainer counts its epochs from 0 even when resuming
             bound = args.gradient_accumulation_steps * (int(args.num_train_epochs) * len(sampler.lengths) + 1)
             budget_loader = SizedBudgetLoader(loader, sampler, bound=bound, **options)
-        schedule_length, max_steps, left = run_length(sampler, args, self.max_tokens, self._resume)
-        resumed = self._resume is not None
-        self._run = Run(budget_loader, schedule_length, max_steps, resumed=resumed, left=left)
+        self._run = run_length(budget_loader, args, self.max_tokens, self._resume)
         return budget_loader
 
     def create_scheduler(self, num_training_steps: int, optimizer: Any = None) -> LRScheduler:

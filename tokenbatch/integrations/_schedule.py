@@ -135,32 +135,36 @@ class Run:
     max_steps: int
     """The run's optimizer steps: ``schedule_length``, or a resumed run's (grown by re-plans or not)."""
     resumed: bool
-    left: int = 0
-    """A resumed run's optimizer steps still to take, as its plans make them on this number of processes."""
+    first_step: int = 0
+    """The global step it starts at (a resumed run's saved one)."""
+    saved_max_steps: int | None = None
+    """A resumed run's length as saved; on another number of processes its plans make another."""
     samples_since_log: int = 0
     logged_step: int = 0
 
 
-def run_length(
-    sampler: TokenBudgetBatchSampler, args: Any, max_tokens: float, resume: dict[str, Any] | None
-) -> tuple[int, int, int]:
-    """``(schedule_length, max_steps, left)`` of a run over ``sampler`` with ``TrainingArguments`` ``args``.
+def run_length(loader: BudgetLoader, args: Any, max_tokens: float, resume: dict[str, Any] | None) -> Run:
+    """The run over ``loader`` (its sampler resumed, if it is) with ``TrainingArguments`` ``args``.
 
-    ``args.max_steps`` when set; else a resumed run's saved counts, and the
-    optimizer steps ``left`` from where the resumed sampler is (on another
-    number of processes they differ from what the saved run had left); else
-    exact: the plans under ``max_tokens`` are pure functions of (seed, epoch).
+    Its length is ``args.max_steps`` when set; else exact: the plans under
+    ``max_tokens`` are pure functions of (seed, epoch). A resumed run keeps
+    its saved schedule length, and lasts the global step it resumes at plus
+    the optimizer steps left from where the sampler resumed (on another number
+    of processes, other than what the saving run had left).
     """
+    sampler, resumed = loader.sampler, resume is not None
+    first = 0 if resume is None else int(resume["global_step"])
     if args.max_steps > 0:
-        return args.max_steps, args.max_steps, 0
+        return Run(loader, args.max_steps, args.max_steps, resumed, first)
     accumulation = args.gradient_accumulation_steps
     epochs = int(args.num_train_epochs)
     if resume is not None:
         remaining = sampler.plan.num_steps - sampler.start_step
         left = updates_left(sampler, remaining=remaining, accumulation=accumulation, epochs=epochs)
-        return int(resume["schedule_length"]), int(resume["max_steps"]), left
+        saved = int(resume["max_steps"])
+        return Run(loader, int(resume["schedule_length"]), first + left, True, first, saved)
     total = sum(planned_updates(sampler, epoch, max_tokens, accumulation) for epoch in range(epochs))
-    return total, total, 0
+    return Run(loader, total, total, False)
 
 
 class RunProgress(TrainerCallback):
@@ -190,25 +194,23 @@ class RunProgress(TrainerCallback):
                 share = getattr(args, f"{kind}_steps", None)
                 if share is not None and share < 1:
                     setattr(state, f"{kind}_steps", math.ceil(run.schedule_length * share))
-        elif state.global_step + run.left != run.max_steps:
+        elif run.saved_max_steps is not None and run.saved_max_steps != run.max_steps:
             # Resumed on another number of processes (or for more epochs): what is left was planned
             # again, in other optimizer steps. The schedule's rest is spread over them, without a jump.
             logger.info(
                 "resumed at optimizer step %d: %d optimizer steps in all instead of %d, as the plans "
                 "make them on %d processes",
-                state.global_step,
-                state.global_step + run.left,
+                run.first_step,
                 run.max_steps,
+                run.saved_max_steps,
                 run.loader.sampler.num_replicas,
             )
-            run.max_steps = state.global_step + run.left
             scheduler = kwargs.get("lr_scheduler")
             if isinstance(scheduler, StretchedSchedule):
                 scheduler.stretch(run.max_steps)
         state.max_steps = run.max_steps
         logger.info(
-            "max_tokens=%g: %d optimizer steps over %d epochs, as the token-budget plans make them "
-            "(Trainer's counts above assume batches of a fixed size)",
+            "max_tokens=%g: %d optimizer steps over %d epochs, as the token-budget plans make them",
             run.loader.sampler.max_tokens,
             run.max_steps,
             int(args.num_train_epochs),
