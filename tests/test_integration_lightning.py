@@ -206,6 +206,20 @@ def test_two_processes_train_every_sample_once_per_epoch(runs: dict[str, Any], n
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("step", [3, 6])
+def test_two_processes_resume_a_checkpoint_mid_epoch(runs: dict[str, Any], step: int) -> None:
+    """ModelCheckpoint(every_n_train_steps=3), 4 steps an epoch; fit(ckpt_path=...) from steps 3 and 6."""
+    whole, resumed = runs["checkpointed"], runs[f"resumed_{step}"]
+    together = []
+    for rank in range(2):
+        before = lc.trained_before(whole[rank]["batches"], step)
+        together.append(lc.joined(before, resumed[rank]["batches"]))
+        assert together[rank] == whole[rank]["batches"]  # what this rank trained, in the same order
+        assert torch.equal(resumed[rank]["params"], whole[rank]["params"])
+    assert_each_sample_once(together)
+
+
+@pytest.mark.slow
 def test_two_processes_survive_an_oom_on_rank_1_by_splitting(runs: dict[str, Any]) -> None:
     zero, one = runs["oom_split"]
     assert (zero["injected"], one["injected"]) == (0, 1)

@@ -166,3 +166,31 @@ def quiet() -> None:
     warnings.filterwarnings("ignore", message=".*`training_step` returned `None`.*")
     for name in ("lightning.pytorch", "lightning.fabric", "lightning"):
         logging.getLogger(name).setLevel(logging.ERROR)
+
+
+def checkpoints(dirpath: Any, **options: Any) -> Any:
+    """A ModelCheckpoint keeping every checkpoint as ``epoch=E-step=S.ckpt`` (``options``: when to save)."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    return ModelCheckpoint(dirpath=dirpath, filename="{epoch}-{step}", save_top_k=-1, **options)
+
+
+def trained_before(batches: dict[int, list[list[int]]], steps: int) -> dict[int, list[list[int]]]:
+    """The first ``steps`` batches of a run's record, per epoch (one optimizer step per batch)."""
+    kept: dict[int, list[list[int]]] = {}
+    for epoch in sorted(batches):
+        for batch in batches[epoch]:
+            if steps == 0:
+                return kept
+            kept.setdefault(epoch, []).append(batch)
+            steps -= 1
+    return kept
+
+
+def joined(*records: dict[int, list[list[int]]]) -> dict[int, list[list[int]]]:
+    """The batches of several records of one run, per epoch, in order."""
+    out: dict[int, list[list[int]]] = {}
+    for record in records:
+        for epoch, batches in record.items():
+            out.setdefault(epoch, []).extend(batches)
+    return out

@@ -13,6 +13,7 @@ epoch, losses, events, final parameters, or the error raised) to
 from __future__ import annotations
 
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from lightning_common import Recorder, make_rows, make_sampler, quiet, trainer
+from lightning_common import Recorder, checkpoints, make_rows, make_sampler, quiet, trainer
 
 from tokenbatch.integrations.lightning import TokenBudgetCallback
 from tokenbatch.testing import inject_oom
@@ -28,13 +29,14 @@ from tokenbatch.testing import inject_oom
 LIMIT = 100  # rank 1's first batch above this many padded tokens "runs out of memory"
 
 
-def fit(module: Recorder, *, callback: TokenBudgetCallback | None, **options: Any) -> dict[str, Any]:
-    """Fit on 2 processes; what this rank trained, or the error it raised."""
-    callbacks = [] if callback is None else [callback]
+def fit(module: Recorder, *, callback: TokenBudgetCallback | None, extra: tuple[Any, ...] = (),
+        ckpt_path: Path | None = None, **options: Any) -> dict[str, Any]:  # fmt: skip
+    """Fit on 2 processes (``extra`` callbacks; from ``ckpt_path``); what this rank trained, or its error."""
+    callbacks = [*([] if callback is None else [callback]), *extra]
     options.setdefault("use_distributed_sampler", False)
     run = trainer(devices=2, strategy="ddp", callbacks=callbacks, **options)
     try:
-        run.fit(module)
+        run.fit(module, ckpt_path=ckpt_path)
     except Exception as error:
         # The root of the chain: Lightning may raise its own error while handling ours.
         while error.__cause__ is not None or error.__context__ is not None:
@@ -53,10 +55,21 @@ def fit(module: Recorder, *, callback: TokenBudgetCallback | None, **options: An
 
 def main(out: Path) -> None:
     quiet()
+    warnings.filterwarnings("ignore", message=".*resuming from a checkpoint that ended before the epoch")
     rows = make_rows()
     results: dict[str, Any] = {}
     sampler = make_sampler(rows)
     results["auto"] = fit(Recorder(rows, sampler), callback=TokenBudgetCallback(sampler))
+    # Checkpointed every 3 steps of the 4 an epoch has on 2 processes (mid-epoch 0 and 1), resumed from each.
+    sampler = make_sampler(rows)
+    saving = checkpoints(out / "checkpoints", every_n_train_steps=3)
+    results["checkpointed"] = fit(Recorder(rows, sampler), callback=TokenBudgetCallback(sampler),
+                                  extra=(saving,), enable_checkpointing=True)  # fmt: skip
+    for step in (3, 6):
+        sampler = make_sampler(rows)
+        path = out / "checkpoints" / f"epoch={(step - 1) // 4}-step={step}.ckpt"
+        results[f"resumed_{step}"] = fit(Recorder(rows, sampler), callback=TokenBudgetCallback(sampler),
+                                         ckpt_path=path)  # fmt: skip
     sampler = make_sampler(rows)
     results["reference"] = fit(Recorder(rows, sampler, manual=True), callback=TokenBudgetCallback(sampler))
     sampler = make_sampler(rows)

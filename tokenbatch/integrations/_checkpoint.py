@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from transformers import TrainerCallback
+from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from tokenbatch.oom import OOMFallback
@@ -36,7 +37,7 @@ def write_state(folder: str, state: dict[str, Any]) -> None:
 
 
 def read_state(checkpoint: str, oom_mode: str | None) -> dict[str, Any]:
-    """The state saved in ``checkpoint``.
+    """The state saved in ``checkpoint``, with the ``global_step`` of Trainer's state there.
 
     Raises:
         ValueError: the checkpoint was not saved by TokenBudgetTrainer, by
@@ -60,6 +61,12 @@ def read_state(checkpoint: str, oom_mode: str | None) -> dict[str, Any]:
             f"{path} was saved with oom_mode={state['oom_mode']!r}, but the trainer has "
             f"oom_mode={oom_mode!r}; resume with the same oom_mode"
         )
+    trainer_state = os.path.join(checkpoint, TRAINER_STATE_NAME)  # without it Trainer starts at step 0
+    if os.path.isfile(trainer_state):
+        with open(trainer_state) as handle:
+            state["global_step"] = int(json.load(handle).get("global_step", 0))
+    else:
+        state["global_step"] = 0
     return state
 
 

@@ -55,6 +55,7 @@ from tokenbatch.integrations._checkpoint import (
 from tokenbatch.integrations._data import loader_options
 from tokenbatch.integrations._feed import BudgetLoader, Feed, SizedBudgetLoader
 from tokenbatch.integrations._guard import guarded_backward, make_fallback, share_loss
+from tokenbatch.integrations._logs import rewritten, training_rules
 from tokenbatch.integrations._schedule import Run, RunProgress, StretchedSchedule, run_length
 from tokenbatch.integrations._stream import StreamLoader, check_max_steps, stream_dataloader
 from tokenbatch.oom import OOMFallback
@@ -104,7 +105,11 @@ class BudgetLoop(Trainer):
             self._resume = read_state(os.fspath(checkpoint), self.oom_mode)
             if self.args.ignore_data_skip:
                 logger.warning("ignore_data_skip=True is ignored: the sampler resumes at the next sample")
-        with sampler_resumes(self.args, self._resume is not None):
+        epochs = int(self.args.num_train_epochs) if self.args.max_steps <= 0 else 0
+        lines = training_rules(
+            lambda: self._run, accumulation=self.args.gradient_accumulation_steps, epochs=epochs
+        )
+        with sampler_resumes(self.args, self._resume is not None), rewritten(lines):
             return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval)
 
     def _training_loader(self, loader: Any, sampler: TokenBudgetBatchSampler) -> BudgetLoader:
@@ -124,8 +129,7 @@ class BudgetLoop(Trainer):
         else:  # more batches than all epochs hold: Trainer counts its epochs from 0 even when resuming
             bound = args.gradient_accumulation_steps * (int(args.num_train_epochs) * len(sampler.lengths) + 1)
             budget_loader = SizedBudgetLoader(loader, sampler, bound=bound, **options)
-        schedule_length, max_steps = run_length(sampler, args, self.max_tokens, self._resume)
-        self._run = Run(budget_loader, schedule_length, max_steps, resumed=self._resume is not None)
+        self._run = run_length(budget_loader, args, self.max_tokens, self._resume)
         return budget_loader
 
     def _stream_loader(self, dataset: Any) -> StreamLoader:
@@ -164,7 +168,9 @@ class BudgetLoop(Trainer):
         # Metric-driven schedulers (ReduceLROnPlateau, GreedyLR) do not count steps: nothing to stretch.
         stepped = isinstance(scheduler, LRScheduler) and not isinstance(scheduler, ReduceLROnPlateau)
         stepped = stepped and type(scheduler).__name__ != "GreedyLR"
-        if self.oom_mode == "halve" and self.args.max_steps <= 0 and stepped:
+        # Halve mode may add steps; a run resumed on another number of processes may have others left.
+        stretchable = self.oom_mode == "halve" or (self._run is not None and self._run.resumed)
+        if stretchable and self.args.max_steps <= 0 and stepped:
             self.lr_scheduler = cast(Any, StretchedSchedule(scheduler, num_training_steps))
         return cast(LRScheduler, self.lr_scheduler)
 

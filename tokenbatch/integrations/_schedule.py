@@ -44,9 +44,18 @@ def grown_length(
     ``remaining``: the batches of this epoch's plan not yet handed out; later
     epochs, up to ``epochs``, are planned under the sampler's budget in force.
     """
+    left = updates_left(sampler, remaining=remaining, accumulation=accumulation, epochs=epochs)
+    return global_step + 1 + left
+
+
+def updates_left(sampler: TokenBudgetBatchSampler, *, remaining: int, accumulation: int, epochs: int) -> int:
+    """Optimizer steps for ``remaining`` batches of this epoch's plan, then epochs up to ``epochs``.
+
+    Later epochs are planned under the sampler's budget in force, on its world size.
+    """
+    this = math.ceil(remaining / accumulation) if sampler.epoch < epochs else 0
     later = range(sampler.epoch + 1, epochs)
-    rest = sum(planned_updates(sampler, e, sampler.max_tokens, accumulation) for e in later)
-    return global_step + 1 + math.ceil(remaining / accumulation) + rest
+    return this + sum(planned_updates(sampler, e, sampler.max_tokens, accumulation) for e in later)
 
 
 def grow_run(state: Any, lr_scheduler: Any, callbacks: list[Any], total: int) -> None:
@@ -62,7 +71,7 @@ def grow_run(state: Any, lr_scheduler: Any, callbacks: list[Any], total: int) ->
 
 
 class StretchedSchedule:
-    """Wraps an LR scheduler built for ``length`` steps; :meth:`stretch` spreads its rest over more steps.
+    """Wraps an LR scheduler built for ``length`` steps; :meth:`stretch` spreads its rest over other steps.
 
     Until the first :meth:`stretch`, each ``step()`` is one step of the
     wrapped scheduler. After ``stretch(total)`` at optimizer step ``d``, the
@@ -127,26 +136,36 @@ class Run:
     max_steps: int
     """The run's optimizer steps: ``schedule_length``, or a resumed run's (grown by re-plans or not)."""
     resumed: bool
+    first_step: int = 0
+    """The global step it starts at (a resumed run's saved one)."""
+    saved_max_steps: int | None = None
+    """A resumed run's length as saved; on another number of processes its plans make another."""
     samples_since_log: int = 0
     logged_step: int = 0
 
 
-def run_length(
-    sampler: TokenBudgetBatchSampler, args: Any, max_tokens: float, resume: dict[str, Any] | None
-) -> tuple[int, int]:
-    """``(schedule_length, max_steps)`` of a run over ``sampler`` with ``TrainingArguments`` ``args``.
+def run_length(loader: BudgetLoader, args: Any, max_tokens: float, resume: dict[str, Any] | None) -> Run:
+    """The run over ``loader`` (its sampler resumed, if it is) with ``TrainingArguments`` ``args``.
 
-    ``args.max_steps`` when set; else a resumed run's saved counts; else
-    exact: the plans under ``max_tokens`` are pure functions of (seed, epoch).
+    Its length is ``args.max_steps`` when set; else exact: the plans under
+    ``max_tokens`` are pure functions of (seed, epoch). A resumed run keeps
+    its saved schedule length, and lasts the global step it resumes at plus
+    the optimizer steps left from where the sampler resumed (on another number
+    of processes, other than what the saving run had left).
     """
+    sampler, resumed = loader.sampler, resume is not None
+    first = 0 if resume is None else int(resume["global_step"])
     if args.max_steps > 0:
-        return args.max_steps, args.max_steps
-    if resume is not None:
-        return int(resume["schedule_length"]), int(resume["max_steps"])
+        return Run(loader, args.max_steps, args.max_steps, resumed, first)
     accumulation = args.gradient_accumulation_steps
     epochs = int(args.num_train_epochs)
+    if resume is not None:
+        remaining = sampler.plan.num_steps - sampler.start_step
+        left = updates_left(sampler, remaining=remaining, accumulation=accumulation, epochs=epochs)
+        saved = int(resume["max_steps"])
+        return Run(loader, int(resume["schedule_length"]), first + left, True, first, saved)
     total = sum(planned_updates(sampler, epoch, max_tokens, accumulation) for epoch in range(epochs))
-    return total, total
+    return Run(loader, total, total, False)
 
 
 class RunProgress(TrainerCallback):
@@ -176,10 +195,23 @@ class RunProgress(TrainerCallback):
                 share = getattr(args, f"{kind}_steps", None)
                 if share is not None and share < 1:
                     setattr(state, f"{kind}_steps", math.ceil(run.schedule_length * share))
+        elif run.saved_max_steps is not None and run.saved_max_steps != run.max_steps:
+            # Resumed on another number of processes (or for more epochs): what is left was planned
+            # again, in other optimizer steps. The schedule's rest is spread over them, without a jump.
+            logger.info(
+                "resumed at optimizer step %d: %d optimizer steps in all instead of %d, as the plans "
+                "make them on %d processes",
+                run.first_step,
+                run.max_steps,
+                run.saved_max_steps,
+                run.loader.sampler.num_replicas,
+            )
+            scheduler = kwargs.get("lr_scheduler")
+            if isinstance(scheduler, StretchedSchedule):
+                scheduler.stretch(run.max_steps)
         state.max_steps = run.max_steps
         logger.info(
-            "max_tokens=%g: %d optimizer steps over %d epochs, as the token-budget plans make them "
-            "(Trainer's counts above assume batches of a fixed size)",
+            "max_tokens=%g: %d optimizer steps over %d epochs, as the token-budget plans make them",
             run.loader.sampler.max_tokens,
             run.max_steps,
             int(args.num_train_epochs),

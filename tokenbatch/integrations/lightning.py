@@ -16,6 +16,11 @@ What Lightning (2.x) does with a batch sampler, and what this module does about 
   ``dataloader.batch_sampler.sampler``, never on the batch sampler itself, so every
   epoch would get the same plan: the callback calls ``set_epoch`` at the start of
   each epoch, before Lightning makes that epoch's DataLoader iterator.
+- Lightning's checkpoints do not carry a plain DataLoader's position: the
+  callback saves the training sampler's state in ``on_save_checkpoint`` and
+  restores it in ``on_load_checkpoint``, so that ``trainer.fit(model,
+  ckpt_path=...)`` resumes mid-epoch at the next sample
+  (:mod:`tokenbatch.integrations._lightning_loop`).
 - Lightning owns the training loop, so the DataLoader cannot be iterated afresh
   after a re-plan: :func:`oom_fallback` gives an :class:`~tokenbatch.OOMFallback`
   in split mode for manual optimisation, and refuses halve mode.
@@ -47,6 +52,7 @@ except ImportError as error:  # an optional extra: say how to get it
     ) from error
 
 from tokenbatch import OOMFallback, TokenBudgetBatchSampler
+from tokenbatch.integrations import _lightning_loop
 
 __all__ = ["TokenBudgetCallback", "oom_fallback"]
 
@@ -63,6 +69,10 @@ class TokenBudgetCallback(pl.Callback):
             ``rank=self.trainer.global_rank`` there; the callback finds it in the
             training DataLoader and calls its ``set_epoch`` too.
 
+    Checkpoints hold the training sampler's position: ``trainer.fit(model,
+    ckpt_path=...)`` resumes with exactly the samples not yet trained, on any
+    number of processes; mid-epoch this needs the training sampler passed here.
+
     On several processes it needs ``Trainer(use_distributed_sampler=False)``
     and raises a ``ValueError`` in ``setup`` without it. Validation and test
     DataLoaders are then not sharded by Lightning either: give them a
@@ -78,6 +88,7 @@ class TokenBudgetCallback(pl.Callback):
                     f"{type(sampler).__name__}"
                 )
         self.samplers = list(samplers)
+        self._resumed = (-1, 0)  # (epoch, its steps trained before this fit): counted in checkpoints
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         world = trainer.world_size
@@ -108,10 +119,27 @@ class TokenBudgetCallback(pl.Callback):
         # From the second epoch on, Lightning calls this before it makes the epoch's iterator.
         self._start_epoch(trainer)
 
+    def on_save_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        epoch, steps = self._resumed
+        offset = steps if epoch == trainer.current_epoch else 0
+        training = list(_samplers_in(trainer.train_dataloader))
+        state = _lightning_loop.save(trainer, self.samplers, training, offset)
+        if state is not None:
+            checkpoint[_lightning_loop.KEY] = state
+
+    def on_load_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        # Lightning calls this after setup and before it asks for the training DataLoader.
+        self._resumed = _lightning_loop.load(checkpoint, self.samplers)
+
     def _start_epoch(self, trainer: pl.Trainer) -> None:
         found = [s for s in _samplers_in(trainer.train_dataloader) if s not in self.samplers]
         for sampler in [*self.samplers, *found]:
             sampler.set_epoch(trainer.current_epoch)
+        _lightning_loop.size_epoch(trainer)
 
 
 def oom_fallback(

@@ -14,6 +14,7 @@ How it fits Trainer's loop is :mod:`tokenbatch.integrations._loop`'s business.
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Callable
 from functools import partial
 from typing import Any, cast
@@ -48,6 +49,7 @@ try:
     from tokenbatch.integrations._evaluation import EvalLoss, gather_rows, rank_local_loss
     from tokenbatch.integrations._feed import inverse_order, reorder
     from tokenbatch.integrations._guard import check_supported, labelled_items
+    from tokenbatch.integrations._logs import evaluation_rules, rewritten
     from tokenbatch.integrations._loop import BudgetLoop
     from tokenbatch.integrations._stream import is_iterable
     from tokenbatch.probe import auto_budget
@@ -156,6 +158,9 @@ class TokenBudgetTrainer(BudgetLoop):
         }
         self._test_order: Any = None
         self._eval_loaders: dict[str, Any] = {}  # with dataloader_persistent_workers
+        self._loader_samplers: weakref.WeakKeyDictionary[Any, TokenBudgetBatchSampler] = (
+            weakref.WeakKeyDictionary()
+        )  # what evaluation_loop's log tells of an evaluation loader
         self._eval_guard: EvalGuard | None = None
         self._eval_loss: EvalLoss | None = None
         super().__init__(*args, **kwargs)
@@ -216,7 +221,9 @@ class TokenBudgetTrainer(BudgetLoop):
         base = plain()
         options = loader_options(self.args, training=training)
         loader = DataLoader(base.dataset, batch_sampler=sampler, collate_fn=base.collate_fn, **options)
-        return self.accelerator.prepare(loader), sampler
+        prepared = self.accelerator.prepare(loader)
+        self._loader_samplers[prepared] = sampler
+        return prepared, sampler
 
     def get_train_dataloader(self) -> Any:
         """What Trainer trains on: a :class:`~tokenbatch.integrations._feed.BudgetLoader` over the plan."""
@@ -274,7 +281,8 @@ class TokenBudgetTrainer(BudgetLoop):
         if self._eval_guard is not None:
             self._eval_guard.batches = 0  # its events number the batches of this evaluation
         try:
-            with rank_local_loss(self.args):
+            lines = evaluation_rules(self._loader_samplers.get(dataloader))  # its budget, not a batch size
+            with rank_local_loss(self.args), rewritten(lines):
                 output = super().evaluation_loop(
                     dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix
                 )

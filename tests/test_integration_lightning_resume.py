@@ -1,0 +1,103 @@
+"""Lightning checkpoints mid-epoch resume with exactly the samples not yet trained (one process here).
+
+``trainer.fit(model, ckpt_path=...)`` from checkpoints saved by ``ModelCheckpoint``
+after a training step (mid-epoch and at an epoch's last batch) and at an epoch's
+end; the 2-process case is in tests/test_integration_lightning.py. Which samples
+were trained is what ``training_step`` received (tests/scripts/lightning_common.py).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tokenbatch.integrations.lightning import TokenBudgetCallback
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tests" / "scripts"))
+try:
+    import lightning_common as lc
+finally:
+    sys.path.pop(0)
+
+EPOCHS = 2
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:.*does not have many workers"),
+    pytest.mark.filterwarnings("ignore:`isinstance\\(treespec, LeafSpec\\)` is deprecated"),
+    pytest.mark.filterwarnings("ignore:Be aware that when using `ckpt_path`"),
+    # Lightning's, for any DataLoader it cannot checkpoint itself; the sampler's state is in the checkpoint.
+    pytest.mark.filterwarnings("ignore:You're resuming from a checkpoint that ended before the epoch ended"),
+]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _quiet_one_thread() -> Any:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    lc.quiet()
+    yield
+    torch.set_num_threads(threads)
+
+
+def assert_each_sample_once(batches: dict[int, list[list[int]]]) -> None:
+    assert sorted(batches) == list(range(EPOCHS))
+    for epoch in range(EPOCHS):
+        seen = sorted(i for batch in batches[epoch] for i in batch)
+        assert seen == list(range(lc.NUM_SAMPLES)), f"epoch {epoch}: not every sample exactly once"
+
+
+@pytest.fixture(scope="module")
+def original(tmp_path_factory: pytest.TempPathFactory) -> tuple[lc.Recorder, Path]:
+    """A 2-epoch run of 7 steps an epoch, checkpointed every 3 steps, at step 7 and at each epoch's end."""
+    out = tmp_path_factory.mktemp("lightning_resume")
+    rows = lc.make_rows()
+    sampler = lc.make_sampler(rows)
+    module = lc.Recorder(rows, sampler)
+    callbacks = [
+        TokenBudgetCallback(sampler),
+        lc.checkpoints(out / "steps", every_n_train_steps=3),
+        lc.checkpoints(out / "last_batch", every_n_train_steps=7),
+        lc.checkpoints(out / "epoch_end", every_n_epochs=1, save_on_train_epoch_end=True),
+    ]
+    lc.trainer(default_root_dir=out, callbacks=callbacks, enable_checkpointing=True).fit(module)
+    assert [len(module.batches[e]) for e in range(EPOCHS)] == [7, 7]
+    return module, out
+
+
+@pytest.mark.parametrize(
+    "checkpoint",
+    ["steps/epoch=0-step=3", "steps/epoch=0-step=6", "steps/epoch=1-step=9", "last_batch/epoch=0-step=7",
+     "epoch_end/epoch=0-step=7"],
+)  # fmt: skip
+def test_fit_from_a_checkpoint_resumes_at_the_next_sample(
+    original: tuple[lc.Recorder, Path], tmp_path: Path, checkpoint: str
+) -> None:
+    module, out = original
+    rows = lc.make_rows()
+    sampler = lc.make_sampler(rows)
+    resumed = lc.Recorder(rows, sampler)
+    run = lc.trainer(default_root_dir=tmp_path, callbacks=[TokenBudgetCallback(sampler)])
+    run.fit(resumed, ckpt_path=out / f"{checkpoint}.ckpt")
+
+    step = int(checkpoint.split("step=")[1])
+    before = lc.trained_before(module.batches, step)
+    assert_each_sample_once(lc.joined(before, resumed.batches))
+    assert lc.joined(before, resumed.batches) == module.batches  # the same batches, in the same order
+    assert run.global_step == 2 * 7
+    assert torch.equal(resumed.flat_params(), module.flat_params())  # as if never interrupted
+
+
+def test_a_sampler_made_in_train_dataloader_cannot_resume_mid_epoch(
+    original: tuple[lc.Recorder, Path], tmp_path: Path
+) -> None:
+    """Lightning sizes the epoch before train_dataloader() makes it: refused with the fix, not repeated."""
+    _, out = original
+    run = lc.trainer(default_root_dir=tmp_path, callbacks=[TokenBudgetCallback()])
+    with pytest.raises(
+        ValueError, match=r"should be given the training sampler .* TokenBudgetCallback\(sampler\)"
+    ):
+        run.fit(lc.Recorder(lc.make_rows(), None), ckpt_path=out / "steps" / "epoch=0-step=3.ckpt")
