@@ -84,7 +84,11 @@ def training_rules(run: Callable[[], Run | None], *, accumulation: int, epochs: 
     def said(make: Callable[[Run, TokenBudgetBatchSampler], str]) -> Callable[[], str | None]:
         def text() -> str | None:
             current = run()
-            return None if current is None else make(current, current.loader.sampler)
+            sampler = None if current is None else current.loader.sampler
+            # A stream (an iterable train set) has no plan to tell: Trainer's line, with max_steps, stands.
+            if current is None or not isinstance(sampler, TokenBudgetBatchSampler):
+                return None
+            return make(current, sampler)
 
         return text
 
