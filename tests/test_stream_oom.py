@@ -174,3 +174,11 @@ def test_exactly_once_for_any_lengths_budgets_and_thresholds(
             trained += batch["idx"].tolist()
     assert Counter(trained) == Counter(range(len(rows)))
     assert fallback.max_tokens <= max(threshold, budget)
+
+
+def test_a_stream_keeps_plain_shrinking_and_refuses_growth() -> None:
+    stream = TokenBudgetStream(make_rows(12), max_tokens=256, buffer_size=8)
+    assert OOMFallback(stream, Tiny(), mode="halve").grow is None
+    assert OOMFallback(stream, Tiny(), mode="split", grow=False).grow is None
+    with pytest.raises(ValueError, match=r"grow should be False \(or left out\) with a TokenBudgetStream"):
+        OOMFallback(stream, Tiny(), mode="halve", grow=True)
