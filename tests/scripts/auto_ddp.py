@@ -14,6 +14,9 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # its sibling modules, however it is run
+
 from teardown import end_process_group
 from transformers import BertConfig, BertForSequenceClassification
 

@@ -19,10 +19,14 @@ import json
 import os
 import resource
 import sys
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # its sibling modules, however it is run
+
 from probe_train_limited import in_fork, vm_status
 
 

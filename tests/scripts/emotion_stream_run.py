@@ -10,6 +10,8 @@ import json
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # its sibling modules, however it is run
+
 from emotion_run import EXAMPLE, tiny_encoder
 
 
