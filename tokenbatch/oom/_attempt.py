@@ -70,6 +70,8 @@ class ForwardBackward:
         """``"forward"`` or ``"backward"``: where the last attempt was."""
         self.rows: np.ndarray | None = None
         """Rows of the micro-batch last run (None: the whole batch)."""
+        self.fill: Callable[[], bool] = lambda: False
+        """True while growth tries a larger budget: cut so the first micro-batch fills it (set by the guard)."""
 
     def params(self) -> list[nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]
@@ -96,7 +98,9 @@ class ForwardBackward:
             if micro_tokens is not None:
                 work.shape = work.shape or self.strategy.read(work.batch)
                 if work.shape.cost(self.cost) > micro_tokens:
-                    work.pieces = self.strategy.split(work.batch, work.shape, self.cost, micro_tokens)
+                    work.pieces = self.strategy.split(
+                        work.batch, work.shape, self.cost, micro_tokens, fill=self.fill()
+                    )
             work.loss = self.run(work.batch, work.pieces, loss_fn, work.reduction)
             if work.reduction is not None:  # the group's earlier gradients went into the all-reduces
                 work.average = work.reduction.finish()

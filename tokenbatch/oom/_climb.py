@@ -66,20 +66,33 @@ class Growth:
         """What step ``step`` showed to fit on every rank: the cheapest of its batches in the global plan.
 
         A batch's cost is its own, or, where split mode cut it to ``budget``, its costliest
-        micro-batch (cut as the guard cuts it, from the plan's lengths). The cheapest over
+        micro-batch (cut as the guard cuts it, from the plan's lengths: greedily while a try
+        is in force, see :meth:`filling`). The cheapest over
         the ranks, as ranks may differ in memory: each of them ran at least that much.
         """
         plan, lengths, cost = self.sampler.plan, self.sampler.lengths, self.sampler.cost
         split = self.strategy.split_budget(budget, self.sampler.max_tokens) is not None
+        fill = self.filling()
         shown = []
         for index in range(plan.step_start(step), plan.step_start(step + 1)):
             rows = lengths[plan.batch(index)]
             shape = BatchShape(len(rows), int(rows.max()), rows, right_padded=True)
             pieces = (
-                plan_micro_batches(shape, cost, budget) if split and shape.cost(cost) > budget else [None]
+                plan_micro_batches(shape, cost, budget, fill=fill)
+                if split and shape.cost(cost) > budget
+                else [None]
             )
             shown.append(max(shape.cost(cost, piece) for piece in pieces))
         return min(shown)
+
+    def filling(self) -> bool:
+        """Split mode, while a try is in force: cut micro-batches greedily, the first one filling the try.
+
+        Cut evenly, a batch splits into pieces no larger under the tried budget than under
+        the one before, so no step would prove the try. The search's state is the same on
+        every rank, and so is this cut (what :meth:`step_cost` reads from the plan).
+        """
+        return self.search is not None and self.search.trying is not None and self.strategy.keeps_step
 
     def failed(self, event: OOMEvent, outcomes: Sequence[Outcome]) -> OOMEvent:
         """The event of an OOM, with the budget put back (and ``growth`` set) where a try failed."""

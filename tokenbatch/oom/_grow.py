@@ -185,8 +185,9 @@ class BudgetSearch:
     reason: str = "bracket"
     near: bool = True
     """A try is shown by a step costing ``1 - tolerance`` of it (halve mode: a re-plan puts its
-    costliest step first); False: by one costing more than the budget before (split mode, whose
-    micro-batches are shared out evenly, so rarely as large as the budget)."""
+    costliest step first); False: by one costing more than the budget before (split mode: while
+    a try is in force its first micro-batch fills it as far as the rows allow, which may fall
+    short of ``1 - tolerance`` of it)."""
     calm: int = 0
     """Steps trained since the budget last changed."""
 

@@ -99,8 +99,8 @@ class OOMFallback:
         >>> event = fallback.events[0]
         >>> event.step, event.where, event.old_max_tokens, event.new_max_tokens
         (0, ('forward',), 16.0, 8.0)
-        >>> fallback.steps_done == sampler.plan.num_steps and None not in losses
-        True
+        >>> fallback.steps_done, None in losses, [g.new_max_tokens for g in fallback.growth_events]
+        (3, False, [12.0])
     """
 
     def __init__(
@@ -131,7 +131,7 @@ class OOMFallback:
         self.grow = as_grow(grow, stream=isinstance(sampler, TokenBudgetStream))
         self._growth = Growth(self.grow, sampler=sampler, model=model, strategy=self._strategy)
         self._passes = ForwardBackward(model, accelerator, cost=sampler.cost, strategy=self._strategy)
-        self._passes.overlap = bool(overlap)  # with DDP: gradients all-reduced during backward
+        self._passes.overlap, self._passes.fill = bool(overlap), self._growth.filling  # see _attempt.py
         self._micro_tokens = sampler.max_tokens  # split mode: the budget one forward/backward must fit
         self._listeners: list[Callable[[OOMFallback], None]] = []
         self._unreported = False  # events recorded since the listeners last ran

@@ -88,12 +88,23 @@ def inspect_batch(batch: Any, pad_token_id: int | None = None) -> BatchShape:
     return BatchShape(size, width, np.full(size, width, np.int64), False)
 
 
-def plan_micro_batches(shape: BatchShape, cost: CostModel, budget: float) -> list[np.ndarray]:
+def plan_micro_batches(
+    shape: BatchShape, cost: CostModel, budget: float, *, fill: bool = False
+) -> list[np.ndarray]:
     """Rows of each micro-batch, longest first, each within ``budget`` (a row alone may exceed it).
 
     Greedy packing along the rows sorted by length gives the fewest
     micro-batches; the rows are then shared out evenly among that many, when
     every share still fits, so that no micro-batch is a small remainder.
+    ``fill``: keep the greedy cut, whose first micro-batch fills ``budget`` as far
+    as the rows allow (growth's try of a larger budget is proven by a piece that large).
+
+    Example:
+        >>> shape = BatchShape(4, 4, np.array([4, 4, 4, 4]), right_padded=True)
+        >>> [len(rows) for rows in plan_micro_batches(shape, CostModel(), 12.0)]  # shared out evenly
+        [2, 2]
+        >>> [len(rows) for rows in plan_micro_batches(shape, CostModel(), 12.0, fill=True)]
+        [3, 1]
     """
     order = np.argsort(-shape.lengths, kind="stable")
     units = cost.sample_cost(shape.lengths[order])  # each row's cost padded to itself, longest first
@@ -111,7 +122,7 @@ def plan_micro_batches(shape: BatchShape, cost: CostModel, budget: float) -> lis
         start += greedy[-1]
     parts = len(greedy)
     even = [len(order) // parts + (1 if i < len(order) % parts else 0) for i in range(parts)]
-    sizes = even if fits(even) else greedy
+    sizes = even if not fill and fits(even) else greedy
     bounds = np.cumsum([0, *sizes])
     return [np.sort(order[a:b]) for a, b in itertools.pairwise(bounds)]
 
@@ -165,6 +176,7 @@ def split_batch(
     *,
     weight: str | Callable[[Any], float] = "samples",
     trim: bool = True,
+    fill: bool = False,
 ) -> list[Piece]:
     """``(micro_batch, loss_weight, rows)`` for each micro-batch; the weights sum to 1.
 
@@ -176,8 +188,10 @@ def split_batch(
             :class:`~tokenbatch.oom.Split` has checked it.
         trim: cut each micro-batch to its longest row when the batch is
             padded on the right.
+        fill: cut greedily, the first micro-batch as large as ``budget`` allows
+            (see :func:`plan_micro_batches`); the weights still add up to the whole batch's.
     """
-    groups = plan_micro_batches(shape, cost, budget)
+    groups = plan_micro_batches(shape, cost, budget, fill=fill)
     pieces = []
     for rows in groups:
         width = None

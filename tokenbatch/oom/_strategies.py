@@ -39,7 +39,10 @@ class Strategy:
         """The budget to cut an attempt's batch to, or None to run it whole."""
         return None
 
-    def split(self, batch: Any, shape: BatchShape, cost: CostModel, budget: float) -> list[Piece]:
+    def split(
+        self, batch: Any, shape: BatchShape, cost: CostModel, budget: float, *, fill: bool = False
+    ) -> list[Piece]:
+        """The micro-batches of ``batch`` within ``budget``; ``fill``: the first one as large as it allows."""
         raise TypeError(f"the {self.name!r} strategy does not split batches")
 
 
@@ -88,8 +91,10 @@ class Split(Strategy):
         # Until a first out-of-memory error the batches run as planned, oversize ones included.
         return micro_tokens if micro_tokens < sampler_tokens else None
 
-    def split(self, batch: Any, shape: BatchShape, cost: CostModel, budget: float) -> list[Piece]:
-        return split_batch(batch, shape, cost, budget, weight=self.weight, trim=self.trim_padding)
+    def split(
+        self, batch: Any, shape: BatchShape, cost: CostModel, budget: float, *, fill: bool = False
+    ) -> list[Piece]:
+        return split_batch(batch, shape, cost, budget, weight=self.weight, trim=self.trim_padding, fill=fill)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -42,8 +42,11 @@ class StreamHalve(Strategy):
         # Until a re-budget every batch was formed under the budget in force: run it as formed.
         return micro_tokens if micro_tokens < self.stream.ceiling else None
 
-    def split(self, batch: Any, shape: BatchShape, cost: CostModel, budget: float) -> list[Piece]:
-        return split_batch(batch, shape, cost, budget, weight=self.halve.weight, trim=self.halve.trim_padding)
+    def split(
+        self, batch: Any, shape: BatchShape, cost: CostModel, budget: float, *, fill: bool = False
+    ) -> list[Piece]:
+        halve = self.halve  # a stream does not grow, so fill stays False; taken for the signature
+        return split_batch(batch, shape, cost, budget, weight=halve.weight, trim=halve.trim_padding, fill=fill)
 
 
 def with_cursor(
