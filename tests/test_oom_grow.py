@@ -298,3 +298,70 @@ def test_the_growth_benchmark_runs_quick(tmp_path: Path) -> None:
     assert rows[(1.5, "halve")]["final_over_limit"] == pytest.approx(0.75, abs=0.02)
     assert rows[(1.5, "grow")]["final_over_limit"] >= 0.9
     assert rows[(16.0, "factor-0.9")]["oom_events"] > rows[(16.0, "grow")]["oom_events"]
+
+
+def run_uniform(length: int, count: int, start: float, limit: float) -> tuple[list[int], OOMFallback]:
+    """Split mode, three epochs of ``count`` rows of one ``length``: each batch over the limit is cut.
+
+    The case an even cut never proves: a batch under any budget between half its
+    cost and all of it splits into the same two halves.
+    """
+    rows = [{"length": length, "idx": i} for i in range(count)]
+    model = Tiny()
+    with pytest.warns(UserWarning, match="same length"):
+        sampler = TokenBudgetBatchSampler([length] * count, start, seed=0)
+    loader = DataLoader(rows, batch_sampler=sampler, collate_fn=collate)
+    fallback = OOMFallback(sampler, model, mode="split", grow=Grow(tolerance=0.05, max_failures=10))
+    trained: list[int] = []
+    with inject_oom(model, limit):
+        for epoch in range(3):
+            sampler.set_epoch(epoch)
+            for batch in fallback.iterate(loader):
+                assert (
+                    fallback.backward(batch, lambda b: model(b["input_ids"], b["attention_mask"])) is not None
+                )
+                trained += batch["idx"].tolist()
+                model.zero_grad()
+    return trained, fallback
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(length=st.integers(4, 12), fit=st.integers(2, 8), ratio=st.floats(1.5, 16.0))
+def test_split_growth_proves_its_tries_where_the_rows_allow(length: int, fit: int, ratio: float) -> None:
+    limit = length * fit + length / 2  # between two multiples of the row cost: ``fit`` rows fit, not more
+    per_batch = math.floor(ratio * limit / length)  # rows in a planned batch: more than fit
+    count = 6 * per_batch
+    trained, fallback = run_uniform(length, count, ratio * limit, limit)
+    assert sorted(trained) == sorted(list(range(count)) * 3)  # every sample once per epoch
+    allowed = length * fit  # the largest micro-batch under the limit: whole rows
+    good = [g.new_max_tokens for g in fallback.growth_events]
+    # The largest budget that trained: a proven try, or the halving after the first OOMs.
+    reached = max([*good, min(e.new_max_tokens for e in fallback.events)])
+    assert reached >= min(0.95 * limit, allowed), (reached, limit, history(fallback))
+    failed = math.inf
+    for kind, budget in history(fallback):  # never a try at or above a budget that ran out of memory
+        assert kind == "oom" or budget < failed, (kind, budget, failed)
+        failed = min(failed, budget) if kind != "grown" else failed
+
+
+def test_split_growth_matches_a_run_without_oom() -> None:
+    from test_oom import flat_params, train  # the greedy cut of a try changes only how a batch is cut
+
+    reference, _, _ = train()
+    model, trained, fallback = train("split", limit=200, grow=True)
+    assert fallback.growth_events and sorted(trained) == sorted(list(range(64)) * 2)
+    assert torch.allclose(flat_params(model), flat_params(reference), atol=1e-6, rtol=0)
+
+
+def test_the_docstring_case_grows_in_split_mode() -> None:
+    # OOMFallback's example: 4 rows of 4 tokens per batch, one OOM at 16 -> 8; a try of 12 is
+    # cut 3 + 1 rows (not 2 + 2), so the step proves it.
+    sampler = TokenBudgetBatchSampler([4] * 12, max_tokens=16, seed=0)
+    model = torch.nn.Linear(4, 1)
+    fallback = OOMFallback(sampler, model, mode="split")
+    batches = [torch.ones(len(indices), 4) for indices in sampler]
+    with inject_oom(model, max_tokens=8, times=1):
+        for x in fallback.iterate(batches):
+            fallback.backward(x, lambda x: model(x).square().mean())
+    [grown] = fallback.growth_events
+    assert (grown.step, grown.old_max_tokens, grown.new_max_tokens) == (1, 8.0, 12.0)

@@ -71,7 +71,7 @@ class ForwardBackward:
         self.rows: np.ndarray | None = None
         """Rows of the micro-batch last run (None: the whole batch)."""
         self.fill: Callable[[], bool] = lambda: False
-        """True while growth tries a larger budget: cut so the first micro-batch fills it (set by the guard)."""
+        """True while growth tries a larger budget: the first micro-batch fills it (the guard sets it)."""
 
     def params(self) -> list[nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]

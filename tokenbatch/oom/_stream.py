@@ -45,8 +45,9 @@ class StreamHalve(Strategy):
     def split(
         self, batch: Any, shape: BatchShape, cost: CostModel, budget: float, *, fill: bool = False
     ) -> list[Piece]:
-        halve = self.halve  # a stream does not grow, so fill stays False; taken for the signature
-        return split_batch(batch, shape, cost, budget, weight=halve.weight, trim=halve.trim_padding, fill=fill)
+        # A stream does not grow, so fill stays False here; it is taken for Strategy's signature.
+        weight, trim = self.halve.weight, self.halve.trim_padding
+        return split_batch(batch, shape, cost, budget, weight=weight, trim=trim, fill=fill)
 
 
 def with_cursor(
