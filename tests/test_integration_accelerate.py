@@ -156,7 +156,7 @@ def test_progress_follows_a_replan(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(tqdm.auto, "tqdm", Bar)
     sampler = TokenBudgetBatchSampler([4] * 12, max_tokens=16, seed=0)
     model = torch.nn.Linear(4, 1)
-    fallback = OOMFallback(sampler, model, mode="halve")
+    fallback = OOMFallback(sampler, model, mode="halve", grow=False)  # one re-plan, not the climb back
     planned = sampler.plan.num_steps
     seen = []
     with inject_oom(model, max_tokens=8, times=1):  # the first step "runs out of memory": re-planned

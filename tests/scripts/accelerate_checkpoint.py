@@ -67,7 +67,10 @@ def build(workers: int, **config: Any) -> tuple[Accelerator, TokenBudgetBatchSam
 def train(run: tuple[Any, ...], guard: bool, save_to: str | None = None) -> list[int]:
     """Train the rest of the sampler's epoch, or ``STOP`` steps and save to ``save_to``: the ids trained."""
     accelerator, sampler, model, optimizer, loader = run
-    fallback = OOMFallback(sampler, model, accelerator=accelerator, mode="halve") if guard else None
+    # grow=False: one re-plan to save and restore (exactly once holds with growth too; the count differs)
+    fallback = None
+    if guard:
+        fallback = OOMFallback(sampler, model, accelerator=accelerator, mode="halve", grow=False)
     trained: list[int] = []
     steps = 0
     for batch in fallback.iterate(loader) if fallback is not None else loader:

@@ -69,9 +69,12 @@ def main() -> None:
     def train(max_tokens: float) -> dict[str, Any]:
         run = TokenBudgetBatchSampler(lengths, max_tokens, seed=0)
         report: dict[str, Any] = {"steps": 0, "oom": False, "error": None}
+        # The plan's costliest batches first: whether a budget fits is decided by its costliest
+        # batches, which the first steps of a shuffled epoch need not hold.
+        costs = run.plan.batch_costs(run.lengths, run.cost)
         try:
-            for indices in run:
-                step(indices)
+            for index in np.argsort(-costs, kind="stable"):
+                step(run.plan.batch(int(index)).tolist())
                 report["steps"] += 1
                 if report["steps"] >= spec["max_steps"]:
                     break
