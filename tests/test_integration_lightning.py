@@ -268,3 +268,19 @@ def test_expected_batches_shard_the_global_plan() -> None:
     plan = list(whole)
     assert expected_batches(1, num_replicas=2, rank=0) == plan[0::2]
     assert expected_batches(1, num_replicas=2, rank=1) == plan[1::2]
+
+
+def test_split_fallback_grows_back_after_an_oom_and_trains_every_sample_once(tmp_path: Path) -> None:
+    """grow=True under Lightning: the micro-batch budget climbs back towards the threshold."""
+    rows = lc.make_rows()
+    sampler = lc.make_sampler(rows)
+    module = lc.Recorder(rows, sampler, manual=True, grow=True)
+    with inject_oom(module.net, max_tokens=100) as injector:  # every batch over 100 padded tokens fails
+        fit(module, tmp_path, TokenBudgetCallback(sampler))
+    fallback = module.fallback
+    assert fallback is not None and injector.count >= 1
+    assert fallback.growth_events, "no larger budget was tried and trained"
+    # Within 10% of the threshold (the budget counts tokens of the plan, the injector padded ones).
+    assert fallback.events[0].new_max_tokens < fallback.max_tokens
+    assert abs(fallback.max_tokens - 100) <= 0.1 * 100
+    assert_each_sample_once([module.batches])
