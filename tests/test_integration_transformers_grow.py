@@ -1,0 +1,88 @@
+"""TokenBudgetTrainer(oom_grow=True): after an OOM the budget climbs back towards what fits, in both modes.
+
+A real ``torch.OutOfMemoryError`` is raised by ``tokenbatch.testing.inject_oom``
+in the forward of every batch over ``LIMIT`` padded tokens (the true limit
+here). Which samples each optimizer step used is read from the gradients
+(tests/scripts/trainer_common.py), not from tokenbatch's own bookkeeping.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tokenbatch.testing import inject_oom
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tests"))
+sys.path.insert(0, str(REPO / "tests" / "scripts"))
+try:
+    import trainer_common as tc
+    from test_integration_transformers import assert_every_sample_once, assert_one_run
+finally:
+    del sys.path[:2]
+
+EPOCHS = 3
+RESUME_STEP = 14  # in epoch 1, after the growth of epoch 0
+LIMIT = 200.0  # the true limit: 320 halves to 240, which fails, then to 200; growth tries above
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread() -> Any:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module", params=["halve", "split"])
+def grown(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
+          emotion_data_dir: Path, minilm_tokenizer: Any) -> Any:  # fmt: skip
+    """A 3-epoch run with growth on, OOM over LIMIT; a checkpoint at RESUME_STEP."""
+    mode = request.param
+    out = tmp_path_factory.mktemp(f"grow_{mode}")
+    trainer = tc.make_trainer(
+        emotion_data_dir, minilm_tokenizer, out, oom_mode=mode, epochs=EPOCHS, oom_grow=True
+    )
+    trainer.add_callback(tc.save_at(steps=(RESUME_STEP,)))
+    with inject_oom(trainer.model, LIMIT, where="forward") as injector:
+        trainer.train()
+    trainer.injector = injector
+    return trainer
+
+
+def test_the_budget_climbs_back_and_every_sample_trains_once(grown: Any) -> None:
+    trainer, steps = grown, grown.recorder.steps
+    fallback = trainer.oom_fallback
+    assert trainer.oom_events and fallback.growth_events, "no OOM, or no larger budget trained"
+    assert trainer.oom_events[0].new_max_tokens < fallback.max_tokens
+    # Within the growth tolerance of the true limit (plus the plan's granularity), never above it for long.
+    assert 0.9 * LIMIT <= fallback.max_tokens <= 1.05 * LIMIT, fallback.max_tokens
+    assert sum(e.growth for e in trainer.oom_events) <= fallback.grow.max_failures
+    assert_every_sample_once(steps, epochs=EPOCHS)
+    assert_one_run(trainer, steps)  # global_step == max_steps: the run's length followed the re-plans
+    if trainer.oom_mode == "halve":
+        assert trainer.train_sampler.max_tokens == fallback.max_tokens
+
+
+def test_resume_after_growth_continues_with_the_grown_budget(
+    grown: Any, emotion_data_dir: Path, minilm_tokenizer: Any, tmp_path: Path
+) -> None:
+    original = grown
+    checkpoint = Path(original.args.output_dir) / f"checkpoint-{RESUME_STEP}"
+    mode = original.oom_mode
+    resumed = tc.make_trainer(
+        emotion_data_dir, minilm_tokenizer, tmp_path, oom_mode=mode, epochs=EPOCHS, oom_grow=True
+    )
+    with inject_oom(resumed.model, LIMIT, where="forward"):
+        resumed.train(resume_from_checkpoint=str(checkpoint))
+    expected = [s for s in original.recorder.steps if s["global_step"] >= RESUME_STEP]
+    assert resumed.recorder.steps == expected  # same samples, budgets, learning rates, run length
+    assert resumed.oom_events == original.oom_events  # the history, and no OOM the original did not have
+    assert resumed.oom_fallback.growth_events == original.oom_fallback.growth_events
+    assert resumed.oom_fallback.max_tokens == original.oom_fallback.max_tokens
+    assert torch.equal(tc.flat_params(resumed.model), tc.flat_params(original.model))
