@@ -39,15 +39,14 @@ def _one_thread() -> Any:
     torch.set_num_threads(threads)
 
 
-@pytest.fixture(scope="module", params=["halve", "split"])
+@pytest.fixture(scope="module", params=[("halve", 1), ("split", 1), ("halve", 2)], ids=str)
 def grown(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
           emotion_data_dir: Path, minilm_tokenizer: Any) -> Any:  # fmt: skip
-    """A 3-epoch run with growth on, OOM over LIMIT; a checkpoint at RESUME_STEP."""
-    mode = request.param
-    out = tmp_path_factory.mktemp(f"grow_{mode}")
-    trainer = tc.make_trainer(
-        emotion_data_dir, minilm_tokenizer, out, oom_mode=mode, epochs=EPOCHS, oom_grow=True
-    )
+    """A 3-epoch run with growth on (mode, accumulation), OOM over LIMIT; a checkpoint at RESUME_STEP."""
+    mode, accumulation = request.param
+    out = tmp_path_factory.mktemp(f"grow_{mode}_{accumulation}")
+    options: dict[str, Any] = {"oom_mode": mode, "epochs": EPOCHS, "accumulation": accumulation}
+    trainer = tc.make_trainer(emotion_data_dir, minilm_tokenizer, out, oom_grow=True, **options)
     trainer.add_callback(tc.save_at(steps=(RESUME_STEP,)))
     with inject_oom(trainer.model, LIMIT, where="forward") as injector:
         trainer.train()
@@ -74,10 +73,9 @@ def test_resume_after_growth_continues_with_the_grown_budget(
 ) -> None:
     original = grown
     checkpoint = Path(original.args.output_dir) / f"checkpoint-{RESUME_STEP}"
-    mode = original.oom_mode
-    resumed = tc.make_trainer(
-        emotion_data_dir, minilm_tokenizer, tmp_path, oom_mode=mode, epochs=EPOCHS, oom_grow=True
-    )
+    options: dict[str, Any] = {"oom_mode": original.oom_mode, "epochs": EPOCHS}
+    options["accumulation"] = original.args.gradient_accumulation_steps
+    resumed = tc.make_trainer(emotion_data_dir, minilm_tokenizer, tmp_path, oom_grow=True, **options)
     with inject_oom(resumed.model, LIMIT, where="forward"):
         resumed.train(resume_from_checkpoint=str(checkpoint))
     expected = [s for s in original.recorder.steps if s["global_step"] >= RESUME_STEP]
