@@ -188,7 +188,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[dict[str, 
     return {name: (ranks[0][name], ranks[1][name]) for name in ranks[0]}
 
 
-TRAINED = ["auto", "reference", "oom_split", "rank_in_hook"]
+TRAINED = ["auto", "reference", "oom_split", "oom_grow", "rank_in_hook"]
 
 
 @pytest.mark.slow
@@ -229,6 +229,18 @@ def test_two_processes_survive_an_oom_on_rank_1_by_splitting(runs: dict[str, Any
     assert zero["max_tokens"] == one["max_tokens"] == event["new_max_tokens"] < lc.BUDGET
     reference = runs["reference"][0]
     assert torch.allclose(zero["params"], reference["params"], atol=1e-6, rtol=0)
+
+
+@pytest.mark.slow
+def test_two_processes_grow_back_alike_after_an_oom_on_rank_1(runs: dict[str, Any]) -> None:
+    """grow=True on 2 processes: every decision (failed tries, larger budgets) the same on both ranks."""
+    zero, one = runs["oom_grow"]
+    assert zero["injected"] == 0 and one["injected"] >= 1
+    assert zero["events"] == one["events"] and zero["growth"] == one["growth"]
+    assert zero["max_tokens"] == one["max_tokens"]
+    tried = [event for event in zero["events"] if event["growth"]]
+    assert zero["growth"] or tried, "growth never tried a larger budget"
+    assert zero["max_tokens"] > zero["events"][0]["new_max_tokens"] or tried
 
 
 @pytest.mark.slow
