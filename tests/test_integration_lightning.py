@@ -127,7 +127,7 @@ def test_split_fallback_survives_an_injected_oom_in_manual_optimisation(tmp_path
     assert reference.fallback is not None and reference.fallback.events == []
 
     sampler = lc.make_sampler(rows)
-    module = lc.Recorder(rows, sampler, manual=True)
+    module = lc.Recorder(rows, sampler, manual=True, grow=False)  # the budget stays where the OOM put it
     with inject_oom(module.net, max_tokens=100, times=1) as injector:
         fit(module, tmp_path, TokenBudgetCallback(sampler))
     assert injector.count == 1 and module.fallback is not None

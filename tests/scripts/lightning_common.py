@@ -75,7 +75,8 @@ class Recorder(pl.LightningModule):
     """Trains TinyClassifier on ``rows`` with ``sampler``; records every batch's indices per epoch.
 
     ``manual=True`` runs manual optimisation through :func:`oom_fallback`
-    (``mode`` and ``grow`` as given); otherwise Lightning's automatic optimisation.
+    (``mode`` and ``grow`` as given; ``grow=None``: its default); otherwise Lightning's automatic
+    optimisation.
     With ``sampler=None`` it builds one inside train_dataloader(), with
     ``rank=self.trainer.global_rank`` if ``rank_in_hook``, else without ``rank=``.
     ``num_workers`` worker processes read batches ahead of training.
@@ -90,7 +91,7 @@ class Recorder(pl.LightningModule):
         mode: str = "split",
         rank_in_hook: bool = False,
         num_workers: int = 0,
-        grow: Any = False,
+        grow: Any = None,
     ) -> None:
         super().__init__()
         torch.manual_seed(0)

@@ -74,7 +74,7 @@ def main(out: Path) -> None:
     sampler = make_sampler(rows)
     results["reference"] = fit(Recorder(rows, sampler, manual=True), callback=TokenBudgetCallback(sampler))
     sampler = make_sampler(rows)
-    module = Recorder(rows, sampler, manual=True)
+    module = Recorder(rows, sampler, manual=True, grow=False)  # shrinking only (oom_grow below grows)
     with inject_oom(module.net, max_tokens=LIMIT, ranks={1}, times=1) as injector:
         results["oom_split"] = fit(module, callback=TokenBudgetCallback(sampler))
     results["oom_split"]["injected"] = injector.count

@@ -192,7 +192,7 @@ def oom_fallback(
     mode: Any = "split",
     factor: float = 0.5,
     min_tokens: float | None = None,
-    grow: bool | Grow | None = False,
+    grow: bool | Grow | None = None,
 ) -> OOMFallback:
     """An :class:`~tokenbatch.OOMFallback` for a ``LightningModule``'s manual optimisation.
 
@@ -216,9 +216,9 @@ def oom_fallback(
         sampler: the training DataLoader's :class:`~tokenbatch.TokenBudgetBatchSampler`.
         mode, factor, min_tokens: as for :class:`~tokenbatch.OOMFallback`; only
             split mode works under Lightning.
-        grow: as for :class:`~tokenbatch.OOMFallback`: after an OOM, try larger
-            micro-batch budgets again (True, or a :class:`~tokenbatch.oom.Grow`).
-            Off by default here (tested on one process only, see docs/lightning.md).
+        grow: as for :class:`~tokenbatch.OOMFallback` (default on): after an OOM, try
+            larger micro-batch budgets again (a :class:`~tokenbatch.oom.Grow` sets how;
+            False: shrink only).
 
     The trainer's :class:`TokenBudgetCallback` is told of the fallback
     (:meth:`TokenBudgetCallback.attach`): checkpoints carry its state, and one
