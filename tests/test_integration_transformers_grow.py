@@ -22,7 +22,7 @@ sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(REPO / "tests" / "scripts"))
 try:
     import trainer_common as tc
-    from test_integration_transformers import assert_every_sample_once, assert_one_run
+    from test_integration_transformers import assert_every_sample_once, assert_one_run, uses_per_epoch
 finally:
     del sys.path[:2]
 
@@ -84,3 +84,21 @@ def test_resume_after_growth_continues_with_the_grown_budget(
     assert resumed.oom_fallback.growth_events == original.oom_fallback.growth_events
     assert resumed.oom_fallback.max_tokens == original.oom_fallback.max_tokens
     assert torch.equal(tc.flat_params(resumed.model), tc.flat_params(original.model))
+
+
+def test_max_steps_run_grows_and_keeps_its_length(
+    emotion_data_dir: Path, minilm_tokenizer: Any, tmp_path: Path
+) -> None:
+    """With max_steps, growth re-plans in halve mode and the run stays that many steps, no sample twice."""
+    max_steps = 24  # into the second epoch
+    trainer = tc.make_trainer(emotion_data_dir, minilm_tokenizer, tmp_path, oom_mode="halve",
+                              oom_grow=True, arguments={"max_steps": max_steps})  # fmt: skip
+    with inject_oom(trainer.model, LIMIT, where="forward"):
+        trainer.train()
+    steps = trainer.recorder.steps
+    assert trainer.oom_fallback.growth_events or any(e.growth for e in trainer.oom_events)
+    assert [s["global_step"] for s in steps] == list(range(max_steps))
+    assert trainer.state.global_step == trainer.state.max_steps == max_steps
+    counts = uses_per_epoch(steps)
+    assert sorted(counts[0]) == list(range(tc.TRAIN_SIZE))
+    assert all(set(count.values()) == {1} for count in counts.values())
