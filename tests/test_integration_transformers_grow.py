@@ -102,3 +102,20 @@ def test_max_steps_run_grows_and_keeps_its_length(
     counts = uses_per_epoch(steps)
     assert sorted(counts[0]) == list(range(tc.TRAIN_SIZE))
     assert all(set(count.values()) == {1} for count in counts.values())
+
+
+def test_bad_oom_grow_is_refused_naming_it(
+    emotion_data_dir: Path, minilm_tokenizer: Any, tmp_path: Path
+) -> None:
+    with pytest.raises(TypeError, match=r"oom_grow should be True, False or a tokenbatch.oom.Grow, but got"):
+        tc.make_trainer(emotion_data_dir, minilm_tokenizer, tmp_path, oom_grow="yes")
+
+
+def test_a_stream_refuses_oom_grow_with_the_reason(
+    emotion_data_dir: Path, minilm_tokenizer: Any, tmp_path: Path
+) -> None:
+    trainer = tc.make_trainer(emotion_data_dir, minilm_tokenizer, tmp_path, oom_grow=True,
+                              arguments={"max_steps": 2})  # fmt: skip
+    trainer.train_dataset = trainer.train_dataset.to_iterable_dataset(num_shards=2)
+    with pytest.raises(ValueError, match=r"oom_grow should be False with an iterable train_dataset"):
+        trainer.train()
