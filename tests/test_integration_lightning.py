@@ -127,7 +127,7 @@ def test_split_fallback_survives_an_injected_oom_in_manual_optimisation(tmp_path
     assert reference.fallback is not None and reference.fallback.events == []
 
     sampler = lc.make_sampler(rows)
-    module = lc.Recorder(rows, sampler, manual=True)
+    module = lc.Recorder(rows, sampler, manual=True, grow=False)  # the budget stays where the OOM put it
     with inject_oom(module.net, max_tokens=100, times=1) as injector:
         fit(module, tmp_path, TokenBudgetCallback(sampler))
     assert injector.count == 1 and module.fallback is not None
@@ -188,7 +188,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[dict[str, 
     return {name: (ranks[0][name], ranks[1][name]) for name in ranks[0]}
 
 
-TRAINED = ["auto", "reference", "oom_split", "rank_in_hook"]
+TRAINED = ["auto", "reference", "oom_split", "oom_grow", "rank_in_hook"]
 
 
 @pytest.mark.slow
@@ -232,6 +232,18 @@ def test_two_processes_survive_an_oom_on_rank_1_by_splitting(runs: dict[str, Any
 
 
 @pytest.mark.slow
+def test_two_processes_grow_back_alike_after_an_oom_on_rank_1(runs: dict[str, Any]) -> None:
+    """grow=True on 2 processes: every decision (failed tries, larger budgets) the same on both ranks."""
+    zero, one = runs["oom_grow"]
+    assert zero["injected"] == 0 and one["injected"] >= 1
+    assert zero["events"] == one["events"] and zero["growth"] == one["growth"]
+    assert zero["max_tokens"] == one["max_tokens"]
+    tried = [event for event in zero["events"] if event["growth"]]
+    assert zero["growth"] or tried, "growth never tried a larger budget"
+    assert zero["max_tokens"] > zero["events"][0]["new_max_tokens"] or tried
+
+
+@pytest.mark.slow
 def test_two_processes_fallback_averages_gradients_like_lightning_ddp(runs: dict[str, Any]) -> None:
     auto, guarded = runs["auto"][0], runs["reference"][0]
     assert torch.allclose(auto["params"], guarded["params"], atol=1e-6, rtol=0)
@@ -268,3 +280,19 @@ def test_expected_batches_shard_the_global_plan() -> None:
     plan = list(whole)
     assert expected_batches(1, num_replicas=2, rank=0) == plan[0::2]
     assert expected_batches(1, num_replicas=2, rank=1) == plan[1::2]
+
+
+def test_split_fallback_grows_back_after_an_oom_and_trains_every_sample_once(tmp_path: Path) -> None:
+    """grow=True under Lightning: the micro-batch budget climbs back towards the threshold."""
+    rows = lc.make_rows()
+    sampler = lc.make_sampler(rows)
+    module = lc.Recorder(rows, sampler, manual=True, grow=True)
+    with inject_oom(module.net, max_tokens=100) as injector:  # every batch over 100 padded tokens fails
+        fit(module, tmp_path, TokenBudgetCallback(sampler))
+    fallback = module.fallback
+    assert fallback is not None and injector.count >= 1
+    assert fallback.growth_events, "no larger budget was tried and trained"
+    # Within 10% of the threshold (the budget counts tokens of the plan, the injector padded ones).
+    assert fallback.events[0].new_max_tokens < fallback.max_tokens
+    assert abs(fallback.max_tokens - 100) <= 0.1 * 100
+    assert_each_sample_once([module.batches])

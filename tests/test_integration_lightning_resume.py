@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from tokenbatch.integrations.lightning import TokenBudgetCallback
+from tokenbatch.testing import inject_oom
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests" / "scripts"))
@@ -31,6 +32,8 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:Be aware that when using `ckpt_path`"),
     # Lightning's, for any DataLoader it cannot checkpoint itself; the sampler's state is in the checkpoint.
     pytest.mark.filterwarnings("ignore:You're resuming from a checkpoint that ended before the epoch ended"),
+    # Manual optimisation: the checkpoint holds the state after the step, which is what resuming needs.
+    pytest.mark.filterwarnings("ignore:Using ModelCheckpoint with manual optimization"),
 ]
 
 
@@ -101,3 +104,48 @@ def test_a_sampler_made_in_train_dataloader_cannot_resume_mid_epoch(
         ValueError, match=r"should be given the training sampler .* TokenBudgetCallback\(sampler\)"
     ):
         run.fit(lc.Recorder(lc.make_rows(), None), ckpt_path=out / "steps" / "epoch=0-step=3.ckpt")
+
+
+@pytest.mark.parametrize("grow", [False, True])
+def test_a_resumed_run_starts_from_the_budget_an_oom_lowered(tmp_path: Path, grow: bool) -> None:
+    """The fallback's state (budget, events, growth bracket) is in the checkpoint: no OOM to find it again."""
+    rows = lc.make_rows()
+    sampler = lc.make_sampler(rows)
+    module = lc.Recorder(rows, sampler, manual=True, grow=grow)
+    callbacks = [TokenBudgetCallback(sampler), lc.checkpoints(tmp_path / "ckpt", every_n_train_steps=3)]
+    with inject_oom(module.net, max_tokens=100) as injector:  # every batch over 100 padded tokens fails
+        lc.trainer(default_root_dir=tmp_path, callbacks=callbacks, enable_checkpointing=True).fit(module)
+    fallback = module.fallback
+    assert fallback is not None and injector.count >= 1
+    assert fallback.max_tokens < lc.BUDGET and fallback.events[0].step < 3  # lowered before the checkpoint
+    before_checkpoint = sum(1 for e in fallback.events if (e.epoch, e.step) < (0, 3))
+
+    rows = lc.make_rows()
+    sampler = lc.make_sampler(rows)
+    resumed = lc.Recorder(rows, sampler, manual=True, grow=grow)
+    run = lc.trainer(default_root_dir=tmp_path / "resumed", callbacks=[TokenBudgetCallback(sampler)])
+    with inject_oom(resumed.net, max_tokens=100) as again:
+        run.fit(resumed, ckpt_path=tmp_path / "ckpt" / "epoch=0-step=3.ckpt")
+    assert resumed.fallback is not None
+    # Only the OOMs the original had after the checkpoint (none without growth): the budget, events and
+    # growth bracket came along, and the resumed run goes on as the uninterrupted one did.
+    assert again.count == injector.count - before_checkpoint
+    assert resumed.fallback.events == fallback.events
+    assert resumed.fallback.max_tokens == fallback.max_tokens
+    assert resumed.fallback.growth_events == fallback.growth_events  # their history too
+    before = lc.trained_before(module.batches, 3)
+    assert_each_sample_once(lc.joined(before, resumed.batches))
+    assert torch.allclose(resumed.flat_params(), module.flat_params(), atol=1e-6, rtol=0)
+
+
+def test_a_fallback_state_left_unclaimed_is_warned_about(tmp_path: Path) -> None:
+    rows = lc.make_rows()
+    sampler = lc.make_sampler(rows)
+    module = lc.Recorder(rows, sampler, manual=True)
+    callbacks = [TokenBudgetCallback(sampler), lc.checkpoints(tmp_path / "ckpt", every_n_train_steps=3)]
+    with inject_oom(module.net, max_tokens=100, times=1):
+        lc.trainer(default_root_dir=tmp_path, callbacks=callbacks, enable_checkpointing=True).fit(module)
+    sampler = lc.make_sampler(rows)
+    run = lc.trainer(default_root_dir=tmp_path / "resumed", callbacks=[TokenBudgetCallback(sampler)])
+    with pytest.warns(UserWarning, match=r"held an OOMFallback's state .* was not resumed"):
+        run.fit(lc.Recorder(rows, sampler), ckpt_path=tmp_path / "ckpt" / "epoch=0-step=3.ckpt")

@@ -392,7 +392,7 @@ def ddp_runs(tmp_path_factory: pytest.TempPathFactory, emotion_data_dir: Path) -
     assert done.returncode == 0, done.stderr[-4000:]
     return {
         name: [json.loads((out / f"{name}.rank{r}.json").read_text()) for r in range(2)]
-        for name in ("split", "halve", "resumed", "evaluation")
+        for name in ("split", "halve", "resumed", "evaluation", "grow")
     }
 
 
@@ -450,6 +450,19 @@ def test_two_processes_recover_and_resume(
     assert start == 3
     assert resumed["steps"] == [s for s in halve["steps"] if s["global_step"] >= start]
     assert resumed["params"] == halve["params"]
+
+
+@pytest.mark.slow
+def test_two_processes_grow_alike_in_halve_mode(ddp_runs: dict[str, Any]) -> None:
+    """oom_grow=True, OOM on rank 1 only: every re-plan (halving, growth, failed try) alike on both ranks."""
+    zero, one = ddp_runs["grow"]
+    for key in ("events", "growth", "max_tokens", "sampler_max_tokens", "steps", "params", "global_step"):
+        assert zero[key] == one[key], key
+    assert injected_in_training(zero) == 0 and injected_in_training(one) >= 1
+    assert zero["growth"] or any(event["growth"] for event in zero["events"]), "growth never tried"
+    assert zero["max_tokens"] >= 0.9 * tc.OOM_LIMIT
+    assert zero["global_step"] == zero["max_steps"] == len(zero["steps"])
+    assert_every_sample_once(zero["steps"], epochs=3)
 
 
 @pytest.mark.slow

@@ -75,7 +75,8 @@ class Recorder(pl.LightningModule):
     """Trains TinyClassifier on ``rows`` with ``sampler``; records every batch's indices per epoch.
 
     ``manual=True`` runs manual optimisation through :func:`oom_fallback`
-    (``mode`` as given); otherwise Lightning's automatic optimisation.
+    (``mode`` and ``grow`` as given; ``grow=None``: its default); otherwise Lightning's automatic
+    optimisation.
     With ``sampler=None`` it builds one inside train_dataloader(), with
     ``rank=self.trainer.global_rank`` if ``rank_in_hook``, else without ``rank=``.
     ``num_workers`` worker processes read batches ahead of training.
@@ -90,6 +91,7 @@ class Recorder(pl.LightningModule):
         mode: str = "split",
         rank_in_hook: bool = False,
         num_workers: int = 0,
+        grow: Any = None,
     ) -> None:
         super().__init__()
         torch.manual_seed(0)
@@ -97,6 +99,7 @@ class Recorder(pl.LightningModule):
         self.rows, self.sampler = rows, sampler
         self.automatic_optimization = not manual
         self.mode = mode
+        self.grow = grow
         self.rank_in_hook = rank_in_hook
         self.num_workers = num_workers
         self.fallback: OOMFallback | None = None
@@ -120,7 +123,7 @@ class Recorder(pl.LightningModule):
     def on_train_start(self) -> None:
         if not self.automatic_optimization:
             assert self.sampler is not None
-            self.fallback = oom_fallback(self, self.sampler, mode=self.mode)
+            self.fallback = oom_fallback(self, self.sampler, mode=self.mode, grow=self.grow)
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor | None:
         self.batches.setdefault(self.current_epoch, []).append(batch["idx"].tolist())

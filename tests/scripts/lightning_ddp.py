@@ -50,6 +50,7 @@ def fit(module: Recorder, *, callback: TokenBudgetCallback | None, extra: tuple[
         "rank": None if module.sampler is None else module.sampler.rank,
         "events": [] if fallback is None else [event.as_dict() for event in fallback.events],
         "max_tokens": None if fallback is None else fallback.max_tokens,
+        "growth": [] if fallback is None else [str(event) for event in fallback.growth_events],
     }
 
 
@@ -73,10 +74,16 @@ def main(out: Path) -> None:
     sampler = make_sampler(rows)
     results["reference"] = fit(Recorder(rows, sampler, manual=True), callback=TokenBudgetCallback(sampler))
     sampler = make_sampler(rows)
-    module = Recorder(rows, sampler, manual=True)
+    module = Recorder(rows, sampler, manual=True, grow=False)  # shrinking only (oom_grow below grows)
     with inject_oom(module.net, max_tokens=LIMIT, ranks={1}, times=1) as injector:
         results["oom_split"] = fit(module, callback=TokenBudgetCallback(sampler))
     results["oom_split"]["injected"] = injector.count
+    # Growth on: rank 1 runs out of memory over LIMIT throughout; both ranks climb back alike.
+    sampler = make_sampler(rows)
+    module = Recorder(rows, sampler, manual=True, grow=True)
+    with inject_oom(module.net, max_tokens=LIMIT, ranks={1}) as injector:
+        results["oom_grow"] = fit(module, callback=TokenBudgetCallback(sampler))
+    results["oom_grow"]["injected"] = injector.count
     sampler = make_sampler(rows)
     results["halve"] = fit(
         Recorder(rows, sampler, manual=True, mode="halve"), callback=TokenBudgetCallback(sampler)

@@ -65,6 +65,7 @@ def run(name: str, data_dir: str, out: Path, tokenizer: Any, *, where: str, rank
         "eval": trainer.evaluate(),
         "eval_ids": seen,
         "eval_oom_events": [event.as_dict() for event in trainer.eval_oom_events],
+        "growth": [str(event) for event in trainer.oom_fallback.growth_events],
     }
     (out / f"{name}.rank{rank}.json").write_text(json.dumps(report))
     trainer.accelerator.wait_for_everyone()  # the checkpoints are complete before anyone resumes
@@ -118,6 +119,9 @@ def main() -> None:
     checkpoint = out / "halve" / f"checkpoint-{CHECKPOINT_STEP}"
     run("resumed", data_dir, out, tokenizer, oom_mode="halve", accumulation=2, where="backward", ranks=(0,),
         resume=str(checkpoint))  # fmt: skip
+    # Growth on in halve mode, OOM over OOM_LIMIT on rank 1 throughout: both ranks re-plan alike.
+    run("grow", data_dir, out, tokenizer, oom_mode="halve", oom_grow=True, epochs=3, where="forward",
+        ranks=(1,))  # fmt: skip
     evaluation(data_dir, out, tokenizer)
 
 

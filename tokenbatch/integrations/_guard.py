@@ -65,6 +65,12 @@ def make_fallback(
     # Shares that make the micro-batch losses add up to the batch loss (see guarded_step); Halve
     # micro-batches a stream's batches formed before a re-budget.
     weight = lambda piece: max(labelled_items(trainer, piece), 1e-12)  # noqa: E731
+    grow = trainer.oom_grow
+    if isinstance(sampler, TokenBudgetStream) and grow is not False:
+        raise ValueError(
+            f"oom_grow should be False with an iterable train_dataset, but got oom_grow={grow!r}: growth "
+            f"proves a budget on the sampler's global plan, which a stream does not have; pass oom_grow=False"
+        )
     fallback = OOMFallback(
         sampler,
         model,
@@ -74,7 +80,7 @@ def make_fallback(
         else Halve(pad_token_id=pad_token_id, weight=weight),
         factor=trainer.oom_factor,
         min_tokens=trainer.min_tokens,
-        grow=False,  # growth (issue 13) is not yet tested through the Trainer's feed and checkpoints
+        grow=grow,  # halve mode: a growth re-plan restarts the feed like a shrinking one (_loop.py)
     )
     if state:
         fallback.load_state_dict(state)

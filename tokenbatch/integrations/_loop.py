@@ -58,7 +58,7 @@ from tokenbatch.integrations._guard import guarded_backward, make_fallback, shar
 from tokenbatch.integrations._logs import rewritten, training_rules
 from tokenbatch.integrations._schedule import Run, RunProgress, StretchedSchedule, run_length
 from tokenbatch.integrations._stream import StreamLoader, check_max_steps, stream_dataloader
-from tokenbatch.oom import OOMFallback
+from tokenbatch.oom import Grow, OOMFallback
 from tokenbatch.sampler import TokenBudgetBatchSampler
 from tokenbatch.stream import TokenBudgetStream
 
@@ -76,6 +76,7 @@ class BudgetLoop(Trainer):
     oom_mode: str | None
     oom_factor: float
     min_tokens: float | None
+    oom_grow: bool | Grow
     token_cost: CostModel
     sampler_options: dict[str, Any]
 
@@ -191,6 +192,7 @@ class BudgetLoop(Trainer):
         loss = None
         while item is not None:
             batch, step = item
+            generation = feed.sampler.position.generation if isinstance(feed, Feed) else 0
             if self.oom_mode is None:
                 loss = super().training_step(model, batch, num_items_in_batch)
             else:
@@ -199,6 +201,10 @@ class BudgetLoop(Trainer):
                 if step is not None:
                     assert self._run is not None
                     self._run.samples_since_log += feed.mark_trained(step)
+                if isinstance(feed, Feed) and feed.sampler.position.generation != generation:
+                    # Halve mode grew the budget after this step: the rest of the epoch is a new plan.
+                    replanned = True
+                    feed.restart()
                 break
             replanned = True  # halve mode: the rest of the epoch was re-planned from this batch on
             feed.restart()
@@ -248,7 +254,7 @@ class BudgetLoop(Trainer):
         return fallback
 
     def _grow_run(self, feed: Feed) -> None:
-        """After a re-plan: raise ``state.max_steps`` to the steps now planned and stretch the schedule."""
+        """After a re-plan: make ``state.max_steps`` the steps now planned and stretch the schedule to it."""
         sampler = feed.sampler
         total = _schedule.grown_length(
             sampler,
@@ -257,7 +263,7 @@ class BudgetLoop(Trainer):
             accumulation=self.args.gradient_accumulation_steps,
             epochs=int(self.args.num_train_epochs),
         )
-        if total > self.state.max_steps:
+        if total != self.state.max_steps:  # more steps after a halving, fewer after growth
             logger.info(
                 "max_tokens=%g: %d optimizer steps instead of %d",
                 sampler.max_tokens,

@@ -23,7 +23,10 @@ What Lightning (2.x) does with a batch sampler, and what this module does about 
   (:mod:`tokenbatch.integrations._lightning_loop`).
 - Lightning owns the training loop, so the DataLoader cannot be iterated afresh
   after a re-plan: :func:`oom_fallback` gives an :class:`~tokenbatch.OOMFallback`
-  in split mode for manual optimisation, and refuses halve mode.
+  in split mode for manual optimisation, and refuses halve mode. The callback
+  checkpoints that fallback's state too (its lowered micro-batch budget, events
+  and growth bracket), so a resumed run does not find the budget again by
+  running out of memory.
 
 Example::
 
@@ -37,6 +40,7 @@ Example::
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -53,8 +57,11 @@ except ImportError as error:  # an optional extra: say how to get it
 
 from tokenbatch import OOMFallback, TokenBudgetBatchSampler
 from tokenbatch.integrations import _lightning_loop
+from tokenbatch.oom import Grow
 
 __all__ = ["TokenBudgetCallback", "oom_fallback"]
+
+_FALLBACK_KEY = "tokenbatch_fallback"
 
 
 class TokenBudgetCallback(pl.Callback):
@@ -72,6 +79,9 @@ class TokenBudgetCallback(pl.Callback):
     Checkpoints hold the training sampler's position: ``trainer.fit(model,
     ckpt_path=...)`` resumes with exactly the samples not yet trained, on any
     number of processes; mid-epoch this needs the training sampler passed here.
+    They hold the state of the fallback :func:`oom_fallback` made too (it
+    tells the trainer's ``TokenBudgetCallback``): the resumed run's fallback
+    starts from the saved micro-batch budget, events and growth bracket.
 
     On several processes it needs ``Trainer(use_distributed_sampler=False)``
     and raises a ``ValueError`` in ``setup`` without it. Validation and test
@@ -89,6 +99,19 @@ class TokenBudgetCallback(pl.Callback):
                 )
         self.samplers = list(samplers)
         self._resumed = (-1, 0)  # (epoch, its steps trained before this fit): counted in checkpoints
+        self.fallback: OOMFallback | None = None
+        """The fallback whose state checkpoints hold (set by :func:`oom_fallback`)."""
+        self._fallback_state: dict[str, Any] | None = None  # loaded, for the fallback not yet made
+
+    def attach(self, fallback: OOMFallback) -> None:
+        """Checkpoint ``fallback``'s state from now on; a state loaded from a checkpoint is resumed into it.
+
+        :func:`oom_fallback` calls it; call it yourself for an ``OOMFallback`` made otherwise.
+        """
+        self.fallback = fallback
+        state, self._fallback_state = self._fallback_state, None
+        if state is not None:
+            fallback.load_state_dict(state)
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         world = trainer.world_size
@@ -128,12 +151,32 @@ class TokenBudgetCallback(pl.Callback):
         state = _lightning_loop.save(trainer, self.samplers, training, offset)
         if state is not None:
             checkpoint[_lightning_loop.KEY] = state
+        if self.fallback is not None:
+            checkpoint[_FALLBACK_KEY] = self.fallback.state_dict()
+        elif self._fallback_state is not None:  # loaded, and no fallback made yet: keep it for the next run
+            checkpoint[_FALLBACK_KEY] = self._fallback_state
 
     def on_load_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
         # Lightning calls this after setup and before it asks for the training DataLoader.
         self._resumed = _lightning_loop.load(checkpoint, self.samplers)
+        state = checkpoint.get(_FALLBACK_KEY)
+        if state is not None:
+            if self.fallback is not None:  # made before this fit: resume it now
+                self.fallback.load_state_dict(state)
+            else:  # the fallback is made later (on_train_start, training_step): attach() resumes it
+                self._fallback_state = state
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._fallback_state is not None and trainer.global_rank == 0:
+            warnings.warn(
+                "the checkpoint held an OOMFallback's state (its lowered budget), but no fallback was "
+                "made through tokenbatch.integrations.lightning.oom_fallback in this run, so it was not "
+                "resumed; make the fallback with oom_fallback(self, sampler) or call "
+                "TokenBudgetCallback.attach(fallback)",
+                stacklevel=2,
+            )
 
     def _start_epoch(self, trainer: pl.Trainer) -> None:
         found = [s for s in _samplers_in(trainer.train_dataloader) if s not in self.samplers]
@@ -149,6 +192,7 @@ def oom_fallback(
     mode: Any = "split",
     factor: float = 0.5,
     min_tokens: float | None = None,
+    grow: bool | Grow | None = None,
 ) -> OOMFallback:
     """An :class:`~tokenbatch.OOMFallback` for a ``LightningModule``'s manual optimisation.
 
@@ -172,6 +216,13 @@ def oom_fallback(
         sampler: the training DataLoader's :class:`~tokenbatch.TokenBudgetBatchSampler`.
         mode, factor, min_tokens: as for :class:`~tokenbatch.OOMFallback`; only
             split mode works under Lightning.
+        grow: as for :class:`~tokenbatch.OOMFallback` (default on): after an OOM, try
+            larger micro-batch budgets again (a :class:`~tokenbatch.oom.Grow` sets how;
+            False: shrink only).
+
+    The trainer's :class:`TokenBudgetCallback` is told of the fallback
+    (:meth:`TokenBudgetCallback.attach`): checkpoints carry its state, and one
+    resumed from a checkpoint starts from the saved budget.
 
     Raises:
         ValueError: automatic optimisation, halve mode, or a strategy other than
@@ -198,7 +249,7 @@ def oom_fallback(
         )
     fallback = OOMFallback(
         sampler, model, accelerator=_ManualBackward(module), mode=mode, factor=factor, min_tokens=min_tokens,
-        grow=False,  # growth (issue 13) is not yet tested under Lightning's loop
+        grow=grow,
     )  # fmt: skip
     if fallback.mode != "split":
         raise ValueError(
@@ -208,6 +259,9 @@ def oom_fallback(
             f"the old plan). Use mode='split': it keeps every planned batch and runs one that does not "
             f"fit as micro-batches"
         )
+    for callback in trainer.callbacks:  # type: ignore[attr-defined]
+        if isinstance(callback, TokenBudgetCallback):
+            callback.attach(fallback)
     return fallback
 
 

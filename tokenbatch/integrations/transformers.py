@@ -22,7 +22,7 @@ from typing import Any, cast
 from tokenbatch import _checks
 from tokenbatch._budget import is_auto
 from tokenbatch.cost import CostModel
-from tokenbatch.oom import MODES, EvalGuard, OOMEvent, OOMFallback
+from tokenbatch.oom import MODES, EvalGuard, Grow, OOMEvent, OOMFallback
 from tokenbatch.plan import OVERSIZE_POLICIES
 from tokenbatch.sampler import TokenBudgetBatchSampler
 from tokenbatch.stream import TokenBudgetStream
@@ -101,6 +101,9 @@ class TokenBudgetTrainer(BudgetLoop):
             batches); None: no guard.
         oom_factor: the budget multiplier per out-of-memory event.
         min_tokens: stop with :class:`~tokenbatch.SampleTooLargeError` rather than go below this budget.
+        oom_grow: after an out-of-memory event, try larger budgets again (True, or a
+            :class:`~tokenbatch.oom.Grow`); halve mode re-plans, and the run's length and
+            schedule follow. False (default): shrink only. Not for an iterable ``train_dataset``.
         max_batch_size: an optional cap on samples per batch.
         batch_size_multiple: round batch sizes down to a multiple of this.
         oversize: what to do with a sample that alone exceeds the budget (see
@@ -126,6 +129,7 @@ class TokenBudgetTrainer(BudgetLoop):
         oom_mode: str | None = "split",
         oom_factor: float = 0.5,
         min_tokens: float | None = None,
+        oom_grow: bool | Grow = False,
         max_batch_size: int | None = None,
         batch_size_multiple: int = 1,
         oversize: str = "alone",
@@ -151,6 +155,11 @@ class TokenBudgetTrainer(BudgetLoop):
         self.oom_mode = oom_mode
         self.oom_factor = _checks.shrink_factor("oom_factor", oom_factor)
         self.min_tokens = None if min_tokens is None else _checks.positive_number("min_tokens", min_tokens)
+        if not isinstance(oom_grow, bool | Grow):
+            raise TypeError(
+                f"oom_grow should be True, False or a tokenbatch.oom.Grow, but got oom_grow={oom_grow!r}"
+            )
+        self.oom_grow = oom_grow
         self.sampler_options: dict[str, Any] = {
             "max_batch_size": max_batch_size,
             "batch_size_multiple": batch_size_multiple,
