@@ -38,41 +38,13 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from benchmarks import common
 
 MiB = 2**20
 BUDGETS = (3072, 4096, 5120, 6144, 8192)
-
-
-def _vm() -> int:
-    with open("/proc/self/status") as handle:
-        for line in handle:
-            if line.startswith("VmSize:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmSize in /proc/self/status")
-
-
-def _in_fork(fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
-    """Run ``fn`` in a forked child and return its JSON report (one fork at a time: timing)."""
-    read_end, write_end = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        os.close(read_end)
-        try:
-            payload, code = json.dumps(fn()), 0
-        except BaseException as error:  # report it, never fall back into the parent's loop
-            payload, code = json.dumps({"crash": f"{type(error).__name__}: {error}"[:500]}), 1
-        with os.fdopen(write_end, "w") as handle:
-            handle.write(payload)
-        os._exit(code)
-    os.close(write_end)
-    with os.fdopen(read_end) as handle:
-        report: dict[str, Any] = json.loads(handle.read())
-    os.waitpid(pid, 0)
-    return report
 
 
 def child(spec: dict[str, Any]) -> None:
@@ -119,7 +91,8 @@ def child(spec: dict[str, Any]) -> None:
     cache = BudgetCache(spec["cache"])
 
     def run(max_tokens: float | str) -> dict[str, Any]:
-        resource.setrlimit(resource.RLIMIT_AS, (_vm() + spec["room"], resource.RLIM_INFINITY))
+        limit = common.vm_status("VmSize") + spec["room"]
+        resource.setrlimit(resource.RLIMIT_AS, (limit, resource.RLIM_INFINITY))
         sampler = TokenBudgetBatchSampler(lengths, max_tokens, seed=0)
         start = time.perf_counter()
         chosen = (
@@ -146,10 +119,11 @@ def child(spec: dict[str, Any]) -> None:
             "final_max_tokens": fallback.max_tokens,
         }
 
-    results: dict[str, list[dict[str, Any]]] = {"auto (probe)": [_in_fork(functools.partial(run, "auto"))]}
+    first = common.in_fork(functools.partial(run, "auto"))
+    results: dict[str, list[dict[str, Any]]] = {"auto (probe)": [first]}
     for _ in range(spec["rounds"]):
         for name, budget in [("auto (cache)", "auto")] + [(f"fixed {b}", b) for b in spec["budgets"]]:
-            results.setdefault(name, []).append(_in_fork(functools.partial(run, budget)))
+            results.setdefault(name, []).append(common.in_fork(functools.partial(run, budget)))
     print(json.dumps(results), flush=True)
 
 

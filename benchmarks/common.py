@@ -17,6 +17,7 @@ import platform
 import statistics
 import sys
 import time
+import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -157,3 +158,43 @@ def write_results(
     stem = name if variant is None else f"{name}-{variant}"
     (out / f"{stem}.json").write_text(json.dumps(payload, indent=2, default=float) + "\n")
     (out / f"{stem}.md").write_text(f"Command: `{command}`\n\n{markdown.strip()}\n")
+
+
+def vm_status(field: str) -> int:
+    """``field`` of ``/proc/self/status`` (``VmSize``, ``VmPeak``, ...) in bytes (Linux only)."""
+    with open("/proc/self/status") as handle:
+        for line in handle:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def start_in_fork(fn: Callable[[], dict[str, Any]]) -> tuple[int, int]:
+    """Start ``fn`` in a forked child; its pid and the pipe its JSON report comes back on.
+
+    A child that raises reports ``{"ok": False, "crash": "Type: message", "traceback": ...}``
+    and never falls back into the parent's loop.
+    """
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(read_end)
+        try:
+            payload, code = json.dumps(fn()), 0
+        except BaseException as error:
+            crash = f"{type(error).__name__}: {error}"[:500]
+            payload, code = json.dumps({"ok": False, "crash": crash, "traceback": traceback.format_exc()}), 1
+        with os.fdopen(write_end, "w") as handle:
+            handle.write(payload)
+        os._exit(code)  # no atexit handlers, no flushing the parent's buffers twice
+    os.close(write_end)
+    return pid, read_end
+
+
+def in_fork(fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """Run ``fn`` in a forked child and wait for its JSON report (see :func:`start_in_fork`)."""
+    pid, pipe = start_in_fork(fn)
+    with os.fdopen(pipe) as handle:
+        report: dict[str, Any] = json.loads(handle.read())
+    os.waitpid(pid, 0)
+    return report

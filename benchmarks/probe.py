@@ -38,8 +38,7 @@ import subprocess
 import sys
 import tempfile
 import time
-import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -70,31 +69,6 @@ def build(spec: dict[str, Any]) -> Any:
     return AutoModelForSequenceClassification.from_pretrained(common.minilm_path(), num_labels=6)
 
 
-def _vm(field: str) -> int:
-    with open("/proc/self/status") as handle:
-        for line in handle:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no {field} in /proc/self/status")
-
-
-def _in_fork(fn: Callable[[], dict[str, Any]]) -> tuple[int, int]:
-    """Start ``fn`` in a forked child; returns its pid and the pipe its JSON result comes back on."""
-    read_end, write_end = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        os.close(read_end)
-        try:
-            payload, code = json.dumps(fn()), 0
-        except BaseException:
-            payload, code = json.dumps({"ok": False, "crash": traceback.format_exc()}), 1
-        with os.fdopen(write_end, "w") as handle:
-            handle.write(payload)
-        os._exit(code)  # no atexit handlers, no flushing the server's buffers twice
-    os.close(write_end)
-    return pid, read_end
-
-
 def serve(spec: dict[str, Any]) -> None:
     """The trial server: build and warm up the model once, then for each request on stdin (a JSON
     line ``{"cost": {...}, "budgets": [...]}``) run one trial per budget, each in a fork of this
@@ -123,7 +97,7 @@ def serve(spec: dict[str, Any]) -> None:
         optimizer.zero_grad(set_to_none=True)
 
     def trial(cost: CostModel, budget: float) -> dict[str, Any]:
-        base = _vm("VmSize")
+        base = common.vm_status("VmSize")
         allowed = spec["memory_limit"] - held_bytes(model, optimizer)
         resource.setrlimit(resource.RLIMIT_AS, (base + allowed, resource.RLIM_INFINITY))
         for length in spec["lengths"]:
@@ -137,13 +111,13 @@ def serve(spec: dict[str, Any]) -> None:
                 if not is_oom(error):
                     raise
                 return {"ok": False, "failed": [size, length]}
-        return {"ok": True, "growth_over_allowed": (_vm("VmPeak") - base) / allowed}
+        return {"ok": True, "growth_over_allowed": (common.vm_status("VmPeak") - base) / allowed}
 
     step(1, 16)  # warm-up: optimizer state, kernels
     for line in iter(sys.stdin.readline, ""):
         request = json.loads(line)
         cost = CostModel(**request["cost"])
-        children = [_in_fork(functools.partial(trial, cost, budget)) for budget in request["budgets"]]
+        children = [common.start_in_fork(functools.partial(trial, cost, b)) for b in request["budgets"]]
         results = []
         for pid, pipe in children:
             with os.fdopen(pipe) as handle:
