@@ -11,7 +11,6 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import subprocess
 import sys
 from collections import Counter
 from pathlib import Path
@@ -43,28 +42,16 @@ def _one_thread() -> Any:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory, emotion_data_dir: Path, minilm_tokenizer: Any) -> Any:
+def runs(
+    tmp_path_factory: pytest.TempPathFactory, emotion_data_dir: Path, minilm_tokenizer: Any, torchrun: Any
+) -> Any:
     """A 1-process run that saves at NARROW_CHECKPOINT, then the 2-process script (widened, wide)."""
     out = tmp_path_factory.mktemp("trainer_world")
     narrow = tc.make_trainer(emotion_data_dir, minilm_tokenizer, out / "narrow")
     narrow.add_callback(tc.save_at(steps=(NARROW_CHECKPOINT,)))
     narrow.train()
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-        "OMP_NUM_THREADS": "1",
-        "HF_HUB_OFFLINE": "1",
-    }
     checkpoint = out / "narrow" / f"checkpoint-{NARROW_CHECKPOINT}"
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-        str(SCRIPTS / "trainer_world.py"), str(emotion_data_dir), str(out), str(checkpoint),
-    ]  # fmt: skip
-    try:
-        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=420)
-    except subprocess.TimeoutExpired as error:
-        pytest.fail(f"the 2-process run hung: {str(error.stderr)[-3000:]}")
-    assert done.returncode == 0, done.stderr[-4000:]
+    torchrun(SCRIPTS / "trainer_world.py", emotion_data_dir, out, checkpoint, timeout=420)
     reports = {
         name: [json.loads((out / f"{name}.rank{r}.json").read_text()) for r in range(2)]
         for name in ("widened", "wide")

@@ -9,9 +9,6 @@ plain DDP does, to 1e-6 relative.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -28,21 +25,10 @@ Runs = dict[str, list[dict[str, Any]]]
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=["2-processes", "3-processes"])
-def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Runs:
+def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, torchrun: Any) -> Runs:
     world = int(request.param)
     out = tmp_path_factory.mktemp(f"overlap_{world}")
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-        "OMP_NUM_THREADS": "1",
-    }
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world)]
-    command += [str(SCRIPT), str(out)]
-    try:
-        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
-    except subprocess.TimeoutExpired as error:
-        pytest.fail(f"the {world}-process run hung (no result in 300 s): {error.stdout!r:.2000}")
-    assert done.returncode == 0, done.stderr[-4000:]
+    torchrun(SCRIPT, out, nproc=world, timeout=300)
     ranks = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(world)]
     return {name: [rank[name] for rank in ranks] for name in ranks[0]}
 

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -15,16 +14,10 @@ SCRIPT = REPO / "tests" / "scripts" / "stream_oom_ddp.py"
 
 
 @pytest.mark.slow
-def test_one_rank_out_of_memory_both_ranks_rebudget_and_train_each_example_once(tmp_path: Path) -> None:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
-    env.update({"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"})
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-        str(SCRIPT), str(tmp_path),
-    ]  # fmt: skip
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-4000:]
+def test_one_rank_out_of_memory_both_ranks_rebudget_and_train_each_example_once(
+    tmp_path: Path, torchrun: Any
+) -> None:
+    torchrun(SCRIPT, tmp_path, timeout=300)
     reports = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
     sys.path.insert(0, str(REPO / "tests" / "scripts"))
     from stream_oom_ddp import ROWS
