@@ -8,6 +8,7 @@ or the example, before the DataLoader is prepared and the guard is made.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import os
@@ -135,10 +136,23 @@ def budget_in_units(
 
 
 def model_name(model: torch.nn.Module, config: Any = None) -> str:
-    """What the cache key calls the model: the config's ``name_or_path``, else its class name."""
+    """What the cache key calls the model: the config's ``name_or_path``, else its class and shapes.
+
+    A model built from a config in code has no name; its class alone would give
+    every such model of a class, whatever its size, one remembered budget. So the
+    name is the class with its parameter count and a digest of its parameters'
+    names, shapes and dtypes: the same architecture, trained or not, shares it.
+
+    >>> model_name(torch.nn.Linear(4, 2))
+    'Linear[10 params, ...]'
+    """
     config = getattr(model, "config", None) if config is None else config
     name = getattr(config, "name_or_path", None) or getattr(config, "_name_or_path", None)
-    return str(name) if name else type(model).__name__
+    if name:
+        return str(name)
+    shapes = [(n, tuple(p.shape), str(p.dtype)) for n, p in model.named_parameters()]
+    digest = hashlib.sha1(repr(shapes).encode()).hexdigest()[:10]
+    return f"{type(model).__name__}[{sum(p.numel() for p in model.parameters())} params, {digest}]"
 
 
 def _cached(cache: BudgetCache, key: BudgetKey, cost: CostModel) -> float:
