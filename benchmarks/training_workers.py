@@ -34,6 +34,7 @@ from accelerate.utils import find_executable_batch_size, set_seed
 from torch import nn
 from torch.utils.data import DataLoader
 
+from benchmarks.validation_points import ValidationPoints
 from tokenbatch import BatchScaledLR, CostModel, OOMFallback, TokenBudgetBatchSampler, column_lengths
 from tokenbatch.integrations.accelerate import finish, gather_samples
 
@@ -118,11 +119,22 @@ def evaluate(model: nn.Module, loader: Any, accelerator: Accelerator) -> tuple[f
     return float(f1_score(y_true, y_pred, average="macro", zero_division=0)), len(y_true)
 
 
+def validation_points(
+    args: argparse.Namespace, steps_per_epoch: int, model: nn.Module, loader: Any, accelerator: Accelerator
+) -> ValidationPoints:
+    """Validation ``--evals_per_epoch`` times an epoch (once by default), the last at the epoch's end."""
+    return ValidationPoints(
+        per_epoch=args.evals_per_epoch or 1,
+        steps_per_epoch=steps_per_epoch,
+        validate=lambda: evaluate(model, loader, accelerator),
+    )
+
+
 def options(argv: list[str], *extra: tuple[str, type]) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     for name in ("--model_name", "--data_dir", "--output_json"):
         parser.add_argument(name, required=True)
-    for name in ("--num_epochs", "--train_limit", "--eval_limit", "--seed"):
+    for name in ("--num_epochs", "--train_limit", "--eval_limit", "--seed", "--evals_per_epoch"):
         parser.add_argument(name, type=int)
     for name, kind in extra:
         parser.add_argument(name, type=kind)
@@ -153,9 +165,10 @@ def seed_worker(argv: list[str]) -> None:
         model, optimizer, train_loader, eval_loader = accelerator.prepare(
             model, optimizer, train_loader, eval_loader
         )
+        points = validation_points(args, len(train_loader), model, eval_loader, accelerator)
         for epoch in range(args.num_epochs):
             model.train()
-            start = time.perf_counter()
+            start, validated = time.perf_counter(), points.validation_seconds
             loss_sum, steps, tokens = 0.0, 0, 0
             for batch in train_loader:
                 loss, _ = model(**batch)
@@ -164,9 +177,10 @@ def seed_worker(argv: list[str]) -> None:
                 optimizer.zero_grad()
                 loss_sum, steps = loss_sum + loss.item(), steps + 1
                 tokens += int(batch["attention_mask"].sum())
-            train_seconds = time.perf_counter() - start
+                points.after_step(epoch, tokens=int(batch["attention_mask"].sum()))
+            train_seconds = time.perf_counter() - start - (points.validation_seconds - validated)
             totals = accelerator.reduce(torch.tensor([loss_sum, steps, tokens], dtype=torch.float64), "sum")
-            macro_f1, scored = evaluate(model, eval_loader, accelerator)
+            macro_f1, scored = points.end_epoch()
             record = {
                 "epoch": epoch + 1,
                 "loss": float(totals[0] / totals[1]),
@@ -181,6 +195,7 @@ def seed_worker(argv: list[str]) -> None:
                 "eval_samples": scored,
             }
             results["epochs"].append(record)
+            results["evals"] = points.records
             accelerator.print(f"seed epoch {epoch + 1}: {record}")
 
     inner_training_loop()  # returns: its references to the DDP model go before finish()
@@ -228,10 +243,11 @@ def train_tokenbatch(args: argparse.Namespace, accelerator: Accelerator) -> dict
     reference = (args.lr_reference or 1) * (float(column_lengths(train).mean()) if by == "tokens" else 1)
     scaling = args.lr_scaling and BatchScaledLR(optimizer, reference=reference, by=by, rule=args.lr_scaling)
     results: dict[str, Any] = {"epochs": [], "world_size": accelerator.num_processes, "crossover": crossover}
+    points = validation_points(args, len(train_loader), model, eval_loader, accelerator)
     for epoch in range(args.num_epochs):
         sampler.set_epoch(epoch)
         model.train()
-        start = time.perf_counter()
+        start, validated = time.perf_counter(), points.validation_seconds
         loss_sum, steps, tokens, scales = 0.0, 0, 0, []
         for batch in fallback.iterate(train_loader):
             loss = fallback.backward(batch, lambda b: model(**b)[0])
@@ -244,11 +260,12 @@ def train_tokenbatch(args: argparse.Namespace, accelerator: Accelerator) -> dict
                 loss_sum += float(loss)
                 steps += 1
                 tokens += int(batch["attention_mask"].sum())
-        train_seconds = time.perf_counter() - start
+                points.after_step(epoch, tokens=int(batch["attention_mask"].sum()))
+        train_seconds = time.perf_counter() - start - (points.validation_seconds - validated)
         totals = accelerator.reduce(
             torch.tensor([loss_sum, steps, tokens], dtype=torch.float64, device=accelerator.device), "sum"
         )
-        macro_f1, scored = evaluate(model, eval_loader, accelerator)
+        macro_f1, scored = points.end_epoch()
         record = {
             "epoch": epoch + 1,
             "loss": float(totals[0] / max(float(totals[1]), 1.0)),
@@ -269,6 +286,7 @@ def train_tokenbatch(args: argparse.Namespace, accelerator: Accelerator) -> dict
         results["epochs"].append(record)
         accelerator.print(f"tokenbatch epoch {epoch + 1}: {record}")
     results["oom_events"] = [event.as_dict() for event in fallback.events]
+    results["evals"] = points.records
     return results
 
 
