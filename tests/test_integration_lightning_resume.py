@@ -8,7 +8,9 @@ were trained is what ``training_step`` received (tests/scripts/lightning_common.
 
 from __future__ import annotations
 
+import re
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -26,12 +28,11 @@ finally:
     sys.path.pop(0)
 
 EPOCHS = 2
+NOT_RESUMABLE = "You're resuming from a checkpoint that ended before the epoch ended"
 pytestmark = [
     pytest.mark.filterwarnings("ignore:.*does not have many workers"),
     pytest.mark.filterwarnings("ignore:`isinstance\\(treespec, LeafSpec\\)` is deprecated"),
     pytest.mark.filterwarnings("ignore:Be aware that when using `ckpt_path`"),
-    # Lightning's, for any DataLoader it cannot checkpoint itself; the sampler's state is in the checkpoint.
-    pytest.mark.filterwarnings("ignore:You're resuming from a checkpoint that ended before the epoch ended"),
     # Manual optimisation: the checkpoint holds the state after the step, which is what resuming needs.
     pytest.mark.filterwarnings("ignore:Using ModelCheckpoint with manual optimization"),
 ]
@@ -84,7 +85,13 @@ def test_fit_from_a_checkpoint_resumes_at_the_next_sample(
     sampler = lc.make_sampler(rows)
     resumed = lc.Recorder(rows, sampler)
     run = lc.trainer(default_root_dir=tmp_path, callbacks=[TokenBudgetCallback(sampler)])
-    run.fit(resumed, ckpt_path=out / f"{checkpoint}.ckpt")
+    filters = list(warnings.filters)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run.fit(resumed, ckpt_path=out / f"{checkpoint}.ckpt")
+    # Lightning's "dataloader is not resumable" would be wrong: the sampler resumed where training stopped.
+    assert not [w for w in caught if NOT_RESUMABLE in str(w.message)]
+    assert list(warnings.filters) == filters  # muted for the resume only
 
     step = int(checkpoint.split("step=")[1])
     before = lc.trained_before(module.batches, step)
@@ -92,6 +99,21 @@ def test_fit_from_a_checkpoint_resumes_at_the_next_sample(
     assert lc.joined(before, resumed.batches) == module.batches  # the same batches, in the same order
     assert run.global_step == 2 * 7
     assert torch.equal(resumed.flat_params(), module.flat_params())  # as if never interrupted
+
+
+def test_lightnings_resume_warning_stands_where_no_sampler_position_was_saved(
+    original: tuple[lc.Recorder, Path], tmp_path: Path
+) -> None:
+    """A mid-epoch checkpoint saved without the callback's sampler state: Lightning's warning is right."""
+    _, out = original
+    checkpoint = torch.load(out / "steps" / "epoch=0-step=3.ckpt", weights_only=False)
+    del checkpoint["tokenbatch"]  # as if saved without TokenBudgetCallback
+    torch.save(checkpoint, tmp_path / "bare.ckpt")
+    rows = lc.make_rows()
+    sampler = lc.make_sampler(rows)
+    run = lc.trainer(default_root_dir=tmp_path, callbacks=[TokenBudgetCallback(sampler)])
+    with pytest.warns(UserWarning, match=re.escape(NOT_RESUMABLE)):
+        run.fit(lc.Recorder(rows, sampler), ckpt_path=tmp_path / "bare.ckpt")
 
 
 def test_a_sampler_made_in_train_dataloader_cannot_resume_mid_epoch(

@@ -24,13 +24,18 @@ them, :func:`size_epoch` changes nothing.
 
 from __future__ import annotations
 
-from typing import Any
+import re
+import warnings
+from collections.abc import Callable
+from typing import Any, cast
 
 from tokenbatch.sampler import TokenBudgetBatchSampler
 
 KEY = "tokenbatch"
 _PROGRESS = ("epoch_loop.batch_progress", "current")
 _COUNTERS = ("ready", "started", "processed", "completed")
+# Lightning 2.x's warning for a mid-epoch resume with a DataLoader it cannot checkpoint itself.
+_NOT_RESUMABLE = "You're resuming from a checkpoint that ended before the epoch ended"
 
 
 def trained_batches(trainer: Any) -> int:
@@ -119,3 +124,25 @@ def size_epoch(trainer: Any) -> None:
     interval = trainer.val_check_interval
     if isinstance(interval, float) and trainer.val_check_batch not in (None, float("inf")):
         trainer.val_check_batch = max(1, int(length * interval))  # as Lightning sets it up
+
+
+def mute_not_resumable_warning() -> Callable[[], None]:
+    """Mute Lightning's "your dataloader is not resumable" warning; returns what unmutes it.
+
+    Lightning warns at the start of a fit resumed mid-epoch when the training
+    DataLoader is not "stateful". A plain DataLoader over a token-budget sampler
+    is not, but the sampler's position came back from the checkpoint, so the
+    resumed epoch has exactly the samples not yet trained and the warning would
+    be wrong. Muted from the checkpoint's load to the first training batch only.
+    """
+    warnings.filterwarnings("ignore", message=re.escape(_NOT_RESUMABLE), category=UserWarning)
+    entry = warnings.filters[0]
+
+    def unmute() -> None:
+        filters = cast(list[Any], warnings.filters)  # a list in CPython; typeshed says Sequence
+        if entry in filters:
+            filters.remove(entry)  # this entry only: filters the user set meanwhile stay
+            # What warnings.filterwarnings does after a change: drop the modules' cached decisions.
+            getattr(warnings, "_filters_mutated", lambda: None)()
+
+    return unmute

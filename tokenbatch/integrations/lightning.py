@@ -41,7 +41,7 @@ Example::
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -102,6 +102,7 @@ class TokenBudgetCallback(pl.Callback):
         self.fallback: OOMFallback | None = None
         """The fallback whose state checkpoints hold (set by :func:`oom_fallback`)."""
         self._fallback_state: dict[str, Any] | None = None  # loaded, for the fallback not yet made
+        self._unmute: Callable[[], None] = lambda: None  # Lightning's resume warning, muted on a resume
 
     def attach(self, fallback: OOMFallback) -> None:
         """Checkpoint ``fallback``'s state from now on; a state loaded from a checkpoint is resumed into it.
@@ -161,6 +162,8 @@ class TokenBudgetCallback(pl.Callback):
     ) -> None:
         # Lightning calls this after setup and before it asks for the training DataLoader.
         self._resumed = _lightning_loop.load(checkpoint, self.samplers)
+        if self._resumed[0] >= 0:  # the sampler is where training stopped: Lightning's warning is wrong
+            self._unmute = _lightning_loop.mute_not_resumable_warning()
         state = checkpoint.get(_FALLBACK_KEY)
         if state is not None:
             if self.fallback is not None:  # made before this fit: resume it now
@@ -168,7 +171,18 @@ class TokenBudgetCallback(pl.Callback):
             else:  # the fallback is made later (on_train_start, training_step): attach() resumes it
                 self._fallback_state = state
 
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        self._unmute()  # Lightning has warned, or not, by the first batch
+
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
+        self._unmute()
+
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._unmute()
         if self._fallback_state is not None and trainer.global_rank == 0:
             warnings.warn(
                 "the checkpoint held an OOMFallback's state (its lowered budget), but no fallback was "
