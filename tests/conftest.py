@@ -11,7 +11,7 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -176,25 +176,30 @@ Torchrun = Callable[..., subprocess.CompletedProcess[str]]
 
 @pytest.fixture(scope="session")
 def torchrun() -> Torchrun:
-    """``torchrun(script, *args, nproc=2, timeout=300)``: launch real processes (gloo), fail on a hang.
+    """``torchrun(script, *args, nproc=2, timeout=300, env=None)``: real processes (gloo), fail on a hang.
 
     Each run gets its own rendezvous port (``--standalone``), one thread per
     process and no hub; a non-zero exit fails with the end of its stderr.
+    ``env`` adds (or overrides) variables of the processes' environment, e.g.
+    ``torchrun(SCRIPT, out, env={"ACCELERATE_USE_CPU": "1"})``.
     """
 
     repo = str(Path(__file__).resolve().parents[1])
 
-    def launch(script: Path, *args: Any, nproc: int = 2, timeout: float = 300) -> Any:
-        env = {
+    def launch(
+        script: Path, *args: Any, nproc: int = 2, timeout: float = 300, env: Mapping[str, str] | None = None
+    ) -> Any:
+        variables = {
             **os.environ,
             "PYTHONPATH": os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")]),
             "OMP_NUM_THREADS": "1",
             "HF_HUB_OFFLINE": "1",
+            **(env or {}),
         }
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
         command += ["--nproc_per_node", str(nproc), str(script), *map(str, args)]
         try:
-            done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
+            done = subprocess.run(command, env=variables, capture_output=True, text=True, timeout=timeout)
         except subprocess.TimeoutExpired as error:
             pytest.fail(f"the {nproc}-process run of {script.name} hung (no result in {timeout:g} s): "
                         f"{str(error.stderr)[-3000:]}")  # fmt: skip

@@ -10,9 +10,6 @@ from __future__ import annotations
 import doctest
 import json
 import math
-import os
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -241,26 +238,8 @@ def test_bad_batches_are_named() -> None:
 
 
 @pytest.mark.slow
-def test_the_global_count_sums_both_ranks_and_their_micro_batches(tmp_path: Path) -> None:
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-        "OMP_NUM_THREADS": "1",
-    }
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        "2",
-        str(SCRIPT),
-        str(tmp_path),
-    ]
-    try:
-        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=180)
-    except subprocess.TimeoutExpired as error:
-        pytest.fail(f"the 2-process run hung (no result in 180 s): {error.stdout!r:.2000}")
-    assert done.returncode == 0, done.stderr[-4000:]
+def test_the_global_count_sums_both_ranks_and_their_micro_batches(tmp_path: Path, torchrun: Any) -> None:
+    torchrun(SCRIPT, tmp_path, timeout=180)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert [r["local_samples"] for r in ranks] == [3, 7]  # the ranks differ: only a sum agrees
     for report in ranks:

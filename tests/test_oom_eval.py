@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -131,22 +129,9 @@ def test_the_training_budget_is_untouched_unless_asked(mode: str) -> None:
 
 
 @pytest.mark.slow
-def test_two_ranks_oom_on_one_splits_without_hanging(tmp_path: Path) -> None:
+def test_two_ranks_oom_on_one_splits_without_hanging(tmp_path: Path, torchrun: Any) -> None:
     """torchrun, 2 ranks, DDP-wrapped: results equal an unguarded run's; errors stop both ranks."""
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-        "OMP_NUM_THREADS": "1",
-        "HF_HUB_OFFLINE": "1",
-    }
-    script = REPO / "tests" / "scripts" / "oom_eval_ddp.py"
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(script)]
-    command.append(str(tmp_path))
-    try:
-        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=180)
-    except subprocess.TimeoutExpired as error:
-        pytest.fail(f"the 2-process evaluation hung (no result in 180 s): {error.stdout!r:.2000}")
-    assert done.returncode == 0, done.stderr[-4000:]
+    torchrun(REPO / "tests" / "scripts" / "oom_eval_ddp.py", tmp_path, timeout=180)
     zero, one = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2))
 
     assert zero["plain"]["sizes"] != one["plain"]["sizes"]  # other batch sizes at the same steps

@@ -8,9 +8,6 @@ tests/test_oom_optimizer.py.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -27,20 +24,9 @@ Run = tuple[dict[str, Any], dict[str, Any]]
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Run]:
+def runs(tmp_path_factory: pytest.TempPathFactory, torchrun: Any) -> dict[str, Run]:
     out = tmp_path_factory.mktemp("oom_steps_ddp")
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-        "OMP_NUM_THREADS": "1",
-        "HF_HUB_OFFLINE": "1",
-    }
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(SCRIPT), str(out)]
-    try:
-        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)
-    except subprocess.TimeoutExpired as error:
-        pytest.fail(f"the 2-process run hung (no result in 240 s): {error.stdout!r:.2000}")
-    assert done.returncode == 0, done.stderr[-4000:]
+    torchrun(SCRIPT, out, timeout=240)
     ranks = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
     return {name: (ranks[0][name], ranks[1][name]) for name in ranks[0]}
 

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from torch.utils.data import DataLoader
@@ -101,16 +102,10 @@ def test_two_processes_resume_checkpoints_of_one_and_three_processes(tmp_path: P
 
 
 @pytest.mark.slow
-def test_plain_ddp_without_rank_is_refused_on_every_rank(tmp_path: Path) -> None:
+def test_plain_ddp_without_rank_is_refused_on_every_rank(tmp_path: Path, torchrun: Any) -> None:
     """Issue 11, item 7: the global plan read as it is on 2 processes would train every sample twice."""
     script = REPO / "tests" / "scripts" / "unsharded_ddp.py"
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(script)]
-    command.append(str(tmp_path))
-    try:
-        result = subprocess.run(command, env=launch_env(), capture_output=True, text=True, timeout=120)
-    except subprocess.TimeoutExpired as error:
-        pytest.fail(f"the 2-process run hung: {error.stdout!r:.2000}")
-    assert result.returncode == 0, result.stderr[-4000:]
+    torchrun(script, tmp_path, timeout=120, env={"ACCELERATE_USE_CPU": "1"})
     for rank in range(2):
         errors = json.loads((tmp_path / f"rank{rank}.json").read_text())
         for loop in ("plain", "guarded"):  # a plain loop, and one through OOMFallback.iterate

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -23,23 +21,17 @@ REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "tests" / "scripts" / "stream_distributed.py"
 
 
-def launch(world: int, out: Path) -> list[dict[str, Any]]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
-    env.update({"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "ACCELERATE_USE_CPU": "1"})
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(world),
-        str(SCRIPT), str(out),
-    ]  # fmt: skip
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)
-    assert result.returncode == 0, result.stderr[-4000:]
+def launch(torchrun: Any, world: int, out: Path) -> list[dict[str, Any]]:
+    torchrun(SCRIPT, out, nproc=world, timeout=240, env={"ACCELERATE_USE_CPU": "1"})
     return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(world)]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 3])
-def test_real_processes_end_together_and_train_each_example_once(world: int, tmp_path: Path) -> None:
-    reports = launch(world, tmp_path)
+def test_real_processes_end_together_and_train_each_example_once(
+    world: int, tmp_path: Path, torchrun: Any
+) -> None:
+    reports = launch(torchrun, world, tmp_path)
     assert [r["rank"] for r in reports] == list(range(world))
 
     # Parts of N examples (+-1 between ranks), two epochs: the very batches the
