@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Callable, Mapping
@@ -198,11 +199,24 @@ def torchrun() -> Torchrun:
         }
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
         command += ["--nproc_per_node", str(nproc), str(script), *map(str, args)]
+        child = subprocess.Popen(
+            command, env=variables, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            start_new_session=True,
+        )  # fmt: skip
         try:
-            done = subprocess.run(command, env=variables, capture_output=True, text=True, timeout=timeout)
-        except subprocess.TimeoutExpired as error:
-            pytest.fail(f"the {nproc}-process run of {script.name} hung (no result in {timeout:g} s): "
-                        f"{str(error.stderr)[-3000:]}")  # fmt: skip
+            stdout, stderr = child.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            # On a hang the workers must go too, or they keep the cores: torchrun stops its workers
+            # (each in a session of its own) on SIGTERM; the kill is for a torchrun that hangs itself.
+            child.terminate()
+            try:
+                stdout, stderr = child.communicate(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(child.pid, signal.SIGKILL)
+                stdout, stderr = child.communicate()
+            pytest.fail(f"the {nproc}-process run of {script.name} hung (no result in {timeout:g} s); "
+                        f"its stderr ends: {stderr[-3000:] or '(nothing)'}")  # fmt: skip
+        done = subprocess.CompletedProcess(command, child.returncode, stdout, stderr)
         assert done.returncode == 0, done.stderr[-4000:]
         return done
 
