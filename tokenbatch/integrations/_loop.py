@@ -18,6 +18,8 @@ what ``get_train_dataloader`` returns, a group of
   :class:`~tokenbatch.integrations._schedule.StretchedSchedule`);
 - ``training_step`` runs each batch under the :class:`~tokenbatch.OOMFallback`,
   and swaps a batch prefetched before a halve-mode re-plan for the next batch of the new plan;
+- :class:`~tokenbatch.integrations._lr.StepScaling` (a callback, inert unless ``lr_scaling``
+  is on) scales each optimizer step's rate by what ``training_step`` reports trained;
 - :class:`~tokenbatch.integrations._checkpoint.CheckpointWriter` (a callback)
   adds where the sampler is and the budget in force to every checkpoint;
   ``train(resume_from_checkpoint=...)`` reads them back, with Trainer's own

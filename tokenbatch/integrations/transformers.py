@@ -70,8 +70,8 @@ class TokenBudgetTrainer(BudgetLoop):
     """A ``Trainer`` whose batches fit a token budget and which recovers from out-of-memory in place.
 
     Use it as ``Trainer`` (same arguments), with ``max_tokens`` instead of a
-    batch size (``per_device_*_batch_size`` and ``group_by_length`` are not
-    used). Token lengths come from the datasets as in ``group_by_length``:
+    batch size (``per_device_*_batch_size`` and ``group_by_length`` do not
+    batch; see ``lr_scaling``). Token lengths come from the datasets as in ``group_by_length``:
     the ``args.length_column_name`` column if present, else the tokenizer's
     first model input (``input_ids``); the collator must pad to the longest
     sequence in a batch (the default with a tokenizer). Logs add
