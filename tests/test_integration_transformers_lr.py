@@ -9,6 +9,7 @@ marks) and their token lengths in the data set, not tokenbatch's own count.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import sys
@@ -87,7 +88,29 @@ def unscaled(tmp_path_factory: pytest.TempPathFactory, emotion_data_dir: Path, m
 
 @pytest.fixture(scope="module")
 def scaled(tmp_path_factory: pytest.TempPathFactory, emotion_data_dir: Path, minilm_tokenizer: Any) -> Any:
-    return train(emotion_data_dir, minilm_tokenizer, tmp_path_factory.mktemp("linear"), lr_scaling="linear")
+    """lr_scaling="linear" by tokens, the default reference; with the tokenbatch log lines it wrote."""
+    logger, lines = logging.getLogger("tokenbatch.integrations.transformers"), Lines()
+    level = logger.level
+    logger.addHandler(lines)
+    logger.setLevel(logging.INFO)
+    try:
+        trainer = train(
+            emotion_data_dir, minilm_tokenizer, tmp_path_factory.mktemp("linear"), lr_scaling="linear"
+        )
+    finally:
+        logger.removeHandler(lines)
+        logger.setLevel(level)
+    trainer.lines = lines.messages
+    return trainer
+
+
+class Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
 
 
 def test_default_is_off_and_leaves_every_rate_as_scheduled(unscaled: Any) -> None:
@@ -99,6 +122,13 @@ def test_linear_by_tokens_scales_each_step_against_the_fixed_batch(scaled: Any, 
     lengths = lengths_of(scaled)
     # The default reference: per_device_train_batch_size (8) x 1 process x 1 accumulation, in mean tokens.
     reference = 8 * 1 * 1 * float(np.mean(lengths))
+    said = (
+        f"lr_scaling='linear': each optimizer step's learning rate times linear(step tokens / {reference:g})"
+    )
+    assert (
+        f"{said}, {reference:g} = per_device_train_batch_size=8 x 1 process(es) x 1 accumulated x mean "
+        f"length {np.mean(lengths):.1f}" in scaled.lines
+    )
     sizes = step_sizes(scaled.recorder.steps, lengths, "tokens")
     factors = assert_scaled(scaled.probe.steps, sizes, rule="linear", reference=reference)
     assert float(np.mean(factors)) > 1.2  # the budget (320 padded tokens) holds more than 8 texts
@@ -225,9 +255,8 @@ def test_batches_without_an_attention_mask_need_samples(
     with pytest.raises(TypeError, match=r"lr_scaling_by='tokens' counts the ones of each training batch's "
                                         r"attention_mask, but got a batch without one"):  # fmt: skip
         trainer.train()
-    trainer = tc.make_trainer(
-        emotion_data_dir, minilm_tokenizer, tmp_path, lr_scaling_by="samples", **options
-    )
+    options.update(lr_scaling_by="samples", oom_mode=None)  # oom_mode=None: Trainer's own training_step
+    trainer = tc.make_trainer(emotion_data_dir, minilm_tokenizer, tmp_path, **options)
     probe = rate_probe(trainer)
     trainer.add_callback(probe)
     trainer.train()

@@ -125,20 +125,23 @@ class StepScaling(TrainerCallback):
         self._count, self._scales = 0, []
         if not self.enabled:
             return
+        how = "lr_reference"
         if self.given is None:
             sampler = self._sampler()
             lengths = sampler.lengths if isinstance(sampler, TokenBudgetBatchSampler) else None
             mean = None if lengths is None or len(lengths) == 0 else float(np.mean(lengths))
+            per_device, world = args.per_device_train_batch_size, args.world_size
+            accumulation = args.gradient_accumulation_steps
             self.reference = reference_of(
-                by=self.by,
-                per_device=args.per_device_train_batch_size,
-                world=args.world_size,
-                accumulation=args.gradient_accumulation_steps,
-                mean_length=mean,
+                by=self.by, per_device=per_device, world=world, accumulation=accumulation, mean_length=mean
+            )
+            how = (
+                f"per_device_train_batch_size={per_device} x {world} process(es) x {accumulation} accumulated"
+                + ("" if self.by == "samples" else f" x mean length {mean:.1f}")
             )
         logger.info(
-            "lr_scaling=%r: each optimizer step's learning rate times %s(step %s / %g)",
-            self.rule, self.rule, self.by, self.reference,
+            "lr_scaling=%r: each optimizer step's learning rate times %s(step %s / %g), %g = %s",
+            self.rule, self.rule, self.by, self.reference, self.reference, how,
         )  # fmt: skip
 
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
