@@ -31,6 +31,7 @@ finally:
     sys.path.pop(0)
 
 RULES = {"linear": lambda ratio: ratio, "sqrt": math.sqrt}
+CHECKPOINT = 3  # the scaled run saves after optimizer step 3
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -42,13 +43,26 @@ def _one_thread() -> Any:
     torch.set_num_threads(threads)
 
 
-def train(data_dir: Path, tokenizer: Any, out: Path, *, oom: str | None = None, **options: Any) -> Any:
-    """A trainer of tests/scripts/trainer_common.py, trained with a rate probe (and OOM above OOM_LIMIT)."""
+def train(
+    data_dir: Path,
+    tokenizer: Any,
+    out: Path,
+    *,
+    oom: str | None = None,
+    save: tuple[int, ...] = (),
+    resume: str | None = None,
+    **options: Any,
+) -> Any:
+    """A trainer of tests/scripts/trainer_common.py, trained with a rate probe (and OOM above OOM_LIMIT).
+
+    ``save``: checkpoints after these global steps; ``resume``: a checkpoint to resume from.
+    """
     trainer = tc.make_trainer(data_dir, tokenizer, out, **options)
     trainer.probe = rate_probe(trainer)
     trainer.add_callback(trainer.probe)
+    trainer.add_callback(tc.save_at(steps=save))
     injector = None if oom is None else inject_oom(trainer.model, tc.OOM_LIMIT, where=oom)
-    trainer.train()
+    trainer.train(resume_from_checkpoint=resume)
     trainer.injected = 0 if injector is None else injector.count
     if injector is not None:
         injector.remove()
@@ -94,9 +108,8 @@ def scaled(tmp_path_factory: pytest.TempPathFactory, emotion_data_dir: Path, min
     logger.addHandler(lines)
     logger.setLevel(logging.INFO)
     try:
-        trainer = train(
-            emotion_data_dir, minilm_tokenizer, tmp_path_factory.mktemp("linear"), lr_scaling="linear"
-        )
+        out = tmp_path_factory.mktemp("linear")
+        trainer = train(emotion_data_dir, minilm_tokenizer, out, lr_scaling="linear", save=(CHECKPOINT,))
     finally:
         logger.removeHandler(lines)
         logger.setLevel(level)
@@ -145,6 +158,16 @@ def test_linear_by_tokens_scales_each_step_against_the_fixed_batch(scaled: Any, 
     assert logs[0]["grad_norm"] == next(log for log in unscaled.recorder.logs if "loss" in log)["grad_norm"]
     # A larger rate trained the model differently.
     assert not torch.equal(tc.flat_params(scaled.model), tc.flat_params(unscaled.model))
+
+
+def test_a_checkpoint_holds_the_unscaled_rate_and_resumes_the_same_rates(
+    scaled: Any, emotion_data_dir: Path, minilm_tokenizer: Any, tmp_path: Path
+) -> None:
+    checkpoint = scaled.args.output_dir + f"/checkpoint-{CHECKPOINT}"
+    saved = torch.load(checkpoint + "/optimizer.pt", weights_only=True)["param_groups"]
+    assert [group["lr"] for group in saved] == scaled.probe.steps[CHECKPOINT - 1]["schedule_after"]
+    resumed = train(emotion_data_dir, minilm_tokenizer, tmp_path, lr_scaling="linear", resume=checkpoint)
+    assert resumed.probe.steps == scaled.probe.steps[CHECKPOINT:]
 
 
 @pytest.mark.parametrize(
