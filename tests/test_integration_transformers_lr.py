@@ -202,6 +202,37 @@ def test_accumulated_steps_count_what_trained_once(
     assert sum(sizes) == 2 * (len(lengths) if by == "samples" else sum(lengths))
 
 
+def test_the_rate_is_put_back_when_the_optimizer_step_raises(
+    emotion_data_dir: Path, minilm_tokenizer: Any, tmp_path: Path
+) -> None:
+    from transformers import TrainerCallback
+
+    class FailingStep(TrainerCallback):  # type: ignore[misc]
+        """The torch optimizer's third step raises, from inside ``step()`` (a step pre-hook)."""
+
+        def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            self.seen: list[float] = []
+
+        def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            if state.global_step == 0:
+                inner = kwargs["optimizer"]
+                getattr(inner, "optimizer", inner).register_step_pre_hook(self.hook)
+
+        def hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+            self.seen.append(optimizer.param_groups[0]["lr"])
+            if len(self.seen) == 3:
+                raise RuntimeError("the third step fails")
+
+    trainer = tc.make_trainer(emotion_data_dir, minilm_tokenizer, tmp_path, lr_scaling="linear")
+    failing = FailingStep()
+    trainer.add_callback(failing)
+    with pytest.raises(RuntimeError, match="the third step fails"):
+        trainer.train()
+    schedule = trainer.lr_scheduler.get_last_lr()
+    assert failing.seen[-1] != schedule[0]  # it failed with a scaled rate in force
+    assert [group["lr"] for group in trainer.optimizer.param_groups] == schedule
+
+
 def test_bad_settings_are_refused_by_name(
     emotion_data_dir: Path, minilm_tokenizer: Any, tmp_path: Path
 ) -> None:
