@@ -18,6 +18,8 @@ what ``get_train_dataloader`` returns, a group of
   :class:`~tokenbatch.integrations._schedule.StretchedSchedule`);
 - ``training_step`` runs each batch under the :class:`~tokenbatch.OOMFallback`,
   and swaps a batch prefetched before a halve-mode re-plan for the next batch of the new plan;
+- :class:`~tokenbatch.integrations._lr.StepScaling` (a callback, inert unless ``lr_scaling``
+  is on) scales each optimizer step's rate by what ``training_step`` reports trained;
 - :class:`~tokenbatch.integrations._checkpoint.CheckpointWriter` (a callback)
   adds where the sampler is and the budget in force to every checkpoint;
   ``train(resume_from_checkpoint=...)`` reads them back, with Trainer's own
@@ -56,9 +58,10 @@ from tokenbatch.integrations._data import loader_options
 from tokenbatch.integrations._feed import BudgetLoader, Feed, SizedBudgetLoader
 from tokenbatch.integrations._guard import guarded_backward, make_fallback, share_loss
 from tokenbatch.integrations._logs import rewritten, training_rules
+from tokenbatch.integrations._lr import StepScaling
 from tokenbatch.integrations._schedule import Run, RunProgress, StretchedSchedule, run_length
 from tokenbatch.integrations._stream import StreamLoader, check_max_steps, stream_dataloader
-from tokenbatch.oom import Grow, OOMFallback
+from tokenbatch.oom import Grow, OOMEvent, OOMFallback
 from tokenbatch.sampler import TokenBudgetBatchSampler
 from tokenbatch.stream import TokenBudgetStream
 
@@ -79,6 +82,7 @@ class BudgetLoop(Trainer):
     oom_grow: bool | Grow
     token_cost: CostModel
     sampler_options: dict[str, Any]
+    _lr_step: StepScaling
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._sampler: TokenBudgetBatchSampler | TokenBudgetStream | None = None
@@ -87,8 +91,24 @@ class BudgetLoop(Trainer):
         self._resume: dict[str, Any] | None = None
         super().__init__(*args, **kwargs)
         # First: every other callback (the progress bar, the user's) sees the run's true counts.
-        for callback in (CheckpointWriter(self._checkpoint_state), RunProgress(lambda: self._run)):
+        progress = (CheckpointWriter(self._checkpoint_state), RunProgress(lambda: self._run))
+        for callback in (*progress, self._lr_step):  # the rate in force, to callbacks' on_pre_optimizer_step
             self.callback_handler.callbacks.insert(0, callback)
+
+    @property
+    def train_sampler(self) -> TokenBudgetBatchSampler | TokenBudgetStream | None:
+        """The training DataLoader's sampler, or the stream of an iterable train set."""
+        return self._sampler
+
+    @property
+    def oom_fallback(self) -> OOMFallback | None:
+        """The out-of-memory guard (created at the first training step)."""
+        return self._fallback
+
+    @property
+    def oom_events(self) -> list[OOMEvent]:
+        """Every out-of-memory event of this run (resumed runs included)."""
+        return [] if self._fallback is None else list(self._fallback.events)
 
     def train(
         self,
@@ -110,7 +130,8 @@ class BudgetLoop(Trainer):
         lines = training_rules(
             lambda: self._run, accumulation=self.args.gradient_accumulation_steps, epochs=epochs
         )
-        with sampler_resumes(self.args, self._resume is not None), rewritten(lines):
+        resumes = sampler_resumes(self.args, self._resume is not None)
+        with resumes, rewritten(lines), self._lr_step.restoring():
             return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval)
 
     def _training_loader(self, loader: Any, sampler: TokenBudgetBatchSampler) -> BudgetLoader:
@@ -185,6 +206,7 @@ class BudgetLoop(Trainer):
     ) -> torch.Tensor:
         feed = None if self._run is None else self._run.loader.feed
         if feed is None:
+            self._lr_step.count(inputs)
             return super().training_step(model, inputs, num_items_in_batch)
         item = feed.resolve(inputs)
         self.current_gradient_accumulation_steps = feed.group_size  # real batches, not padding slots
@@ -198,6 +220,7 @@ class BudgetLoop(Trainer):
             else:
                 loss = self._guarded_step(model, batch, num_items_in_batch)
             if loss is not None:
+                self._lr_step.count(batch)  # once, however many micro-batches it ran as
                 if step is not None:
                     assert self._run is not None
                     self._run.samples_since_log += feed.mark_trained(step)
@@ -288,6 +311,7 @@ class BudgetLoop(Trainer):
                 "max_tokens": self._budget(),
                 "step_samples": run.samples_since_log / steps,
                 "oom_events": float(0 if self._fallback is None else len(self._fallback.events)),
+                **self._lr_step.pop_logs(),
             }
             run.samples_since_log, run.logged_step = 0, self.state.global_step
         super().log(logs, start_time)

@@ -22,10 +22,9 @@ from typing import Any, cast
 from tokenbatch import _checks
 from tokenbatch._budget import is_auto
 from tokenbatch.cost import CostModel
-from tokenbatch.oom import MODES, EvalGuard, Grow, OOMEvent, OOMFallback
+from tokenbatch.oom import MODES, EvalGuard, Grow, OOMEvent
 from tokenbatch.plan import OVERSIZE_POLICIES
 from tokenbatch.sampler import TokenBudgetBatchSampler
-from tokenbatch.stream import TokenBudgetStream
 
 MIN_TRANSFORMERS = "4.50"
 """The oldest transformers TokenBudgetTrainer is tested with (pyproject.toml's bound; .ci/run tests it)."""
@@ -51,6 +50,7 @@ try:
     from tokenbatch.integrations._guard import check_supported, labelled_items
     from tokenbatch.integrations._logs import evaluation_rules, rewritten
     from tokenbatch.integrations._loop import BudgetLoop
+    from tokenbatch.integrations._lr import StepScaling
     from tokenbatch.integrations._stream import is_iterable
     from tokenbatch.probe import auto_budget
 except ImportError as error:  # pragma: no cover - the extra is not installed, or too old
@@ -70,8 +70,8 @@ class TokenBudgetTrainer(BudgetLoop):
     """A ``Trainer`` whose batches fit a token budget and which recovers from out-of-memory in place.
 
     Use it as ``Trainer`` (same arguments), with ``max_tokens`` instead of a
-    batch size (``per_device_*_batch_size`` and ``group_by_length`` are not
-    used). Token lengths come from the datasets as in ``group_by_length``:
+    batch size (``per_device_*_batch_size`` and ``group_by_length`` do not
+    batch; see ``lr_scaling``). Token lengths come from the datasets as in ``group_by_length``:
     the ``args.length_column_name`` column if present, else the tokenizer's
     first model input (``input_ids``); the collator must pad to the longest
     sequence in a batch (the default with a tokenizer). Logs add
@@ -109,13 +109,20 @@ class TokenBudgetTrainer(BudgetLoop):
         oversize: what to do with a sample that alone exceeds the budget (see
             the sampler); ``"alone"`` (default) trains it in a batch of its own,
             so a budget shrunk by an out-of-memory event never stops a later epoch.
+        lr_scaling: ``"linear"`` or ``"sqrt"``: each optimizer step's learning rate times rule(step size
+            / ``lr_reference``), put back after the step for the scheduler (logs add ``lr_scale``, the
+            mean multiplier; :mod:`tokenbatch.integrations._lr`); ``"none"`` (default): unscaled.
+        lr_scaling_by: ``"tokens"`` (real tokens) or ``"samples"``, over all ranks and accumulated batches.
+        lr_reference: the step size ``learning_rate`` suits; None: ``per_device_train_batch_size`` x
+            processes x ``gradient_accumulation_steps`` samples (x the train set's mean length, by tokens).
 
     Example:
         >>> from tokenbatch.integrations.transformers import TokenBudgetTrainer
         >>> trainer = TokenBudgetTrainer(  # doctest: +SKIP
         ...     model=model, args=TrainingArguments("out", num_train_epochs=3),
         ...     train_dataset=tokenized["train"], eval_dataset=tokenized["validation"],
-        ...     processing_class=tokenizer, max_tokens=8192, oom_mode="split")
+        ...     processing_class=tokenizer, max_tokens=8192, oom_mode="split",
+        ...     lr_scaling="linear")  # learning_rate as set for per_device_train_batch_size
         >>> trainer.train()  # doctest: +SKIP
     """
 
@@ -133,6 +140,9 @@ class TokenBudgetTrainer(BudgetLoop):
         max_batch_size: int | None = None,
         batch_size_multiple: int = 1,
         oversize: str = "alone",
+        lr_scaling: str = "none",
+        lr_scaling_by: str = "tokens",
+        lr_reference: float | None = None,
         **kwargs: Any,
     ) -> None:
         # "auto" stays a string until _budget_dataloader resolves it (then both become that number).
@@ -172,26 +182,15 @@ class TokenBudgetTrainer(BudgetLoop):
         )  # what evaluation_loop's log tells of an evaluation loader
         self._eval_guard: EvalGuard | None = None
         self._eval_loss: EvalLoss | None = None
+        self._lr_step = StepScaling(lr_scaling, lr_scaling_by, lr_reference, sampler=lambda: self._sampler)
         super().__init__(*args, **kwargs)
         sharded = bool(self.is_deepspeed_enabled or self.is_fsdp_enabled)
         check_supported(self.args, self.oom_mode, sharded=sharded)
+        self._lr_step.check(deepspeed=bool(self.is_deepspeed_enabled), stream=is_iterable(self.train_dataset))
 
     # -- what it exposes -------------------------------------------------------------
 
-    @property
-    def train_sampler(self) -> TokenBudgetBatchSampler | TokenBudgetStream | None:
-        """The training DataLoader's sampler, or the stream of an iterable train set."""
-        return self._sampler
-
-    @property
-    def oom_fallback(self) -> OOMFallback | None:
-        """The out-of-memory guard (created at the first training step)."""
-        return self._fallback
-
-    @property
-    def oom_events(self) -> list[OOMEvent]:
-        """Every out-of-memory event of this run (resumed runs included)."""
-        return [] if self._fallback is None else list(self._fallback.events)
+    # train_sampler, oom_fallback, oom_events: BudgetLoop's (_loop.py)
 
     @property
     def eval_oom_events(self) -> list[OOMEvent]:
