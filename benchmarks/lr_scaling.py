@@ -86,6 +86,24 @@ def first_reaching(evals: list[dict[str, Any]], target: float) -> dict[str, Any]
     return next((record for record in evals if record["macro_f1"] >= target), None)
 
 
+def interpolated(evals: list[dict[str, Any]], target: float, field: str) -> float | None:
+    """``field`` (steps, seconds) where macro-F1 crosses ``target``, on the line between two validations.
+
+    The first validation at the target bounds it from above; the validation before it
+    from below. None: never reached. Reached at the first validation: from the start (0, F1 0).
+
+    >>> interpolated([{"step": 10, "macro_f1": 0.5}, {"step": 20, "macro_f1": 1.0}], 0.75, "step")
+    15.0
+    """
+    before = {field: 0.0, "macro_f1": 0.0}
+    for record in evals:
+        if record["macro_f1"] >= target:
+            share = (target - before["macro_f1"]) / (record["macro_f1"] - before["macro_f1"])
+            return float(before[field] + share * (record[field] - before[field]))
+        before = record
+    return None
+
+
 def summarize(runs: list[dict[str, Any]], target: float) -> dict[str, Any]:
     """Per run: steps, epochs and training seconds to ``target``; per arm: medians; paired ratios."""
     rows = []
@@ -101,6 +119,8 @@ def summarize(runs: list[dict[str, Any]], target: float) -> dict[str, Any]:
                 "steps_to_target": hit and hit["step"],
                 "epochs_to_target": hit and hit["epoch"],
                 "train_seconds_to_target": hit and hit["train_seconds"],
+                "interpolated_steps": interpolated(result["evals"], target, "step"),
+                "interpolated_seconds": interpolated(result["evals"], target, "train_seconds"),
                 "lr_scale_mean": statistics.mean(e.get("lr_scale_mean", 1.0) for e in result["epochs"]),
             }
         )
@@ -119,20 +139,28 @@ def summarize(runs: list[dict[str, Any]], target: float) -> dict[str, Any]:
             "median_steps_to_target": median_of(arm_rows, "steps_to_target"),
             "median_epochs_to_target": median_of(arm_rows, "epochs_to_target"),
             "median_train_seconds_to_target": median_of(arm_rows, "train_seconds_to_target"),
+            "median_interpolated_steps": median_of(arm_rows, "interpolated_steps"),
+            "median_interpolated_seconds": median_of(arm_rows, "interpolated_seconds"),
             "median_best_macro_f1": statistics.median(row["best_macro_f1"] for row in arm_rows),
         }
         for arm, arm_rows in by_arm.items()
     }
     # Same seed, same batches: the scaled arm's steps over the hand-tuned arm's are its time ratio.
     hand = {row["seed"]: row for row in by_arm.get("hand-tuned", [])}
-    paired = [
-        row["steps_to_target"] / hand[row["seed"]]["steps_to_target"]
-        for row in by_arm.get("scaled", [])
-        if row["steps_to_target"] and hand.get(row["seed"], {}).get("steps_to_target")
-    ]
+
+    def pairs(field: str) -> list[float]:
+        return [
+            row[field] / hand[row["seed"]][field]
+            for row in by_arm.get("scaled", [])
+            if row[field] and hand.get(row["seed"], {}).get(field)
+        ]
+
+    paired, between = pairs("steps_to_target"), pairs("interpolated_steps")
     ratios = {
         "scaled_over_hand_tuned_steps": paired,
         "median_scaled_over_hand_tuned": statistics.median(paired) if paired else None,
+        "scaled_over_hand_tuned_interpolated": between,
+        "median_scaled_over_hand_tuned_interpolated": statistics.median(between) if between else None,
         "pairs_where_both_reached": len(paired),
     }
     return {"rows": rows, "arms": arms, "ratios": ratios}
@@ -156,12 +184,17 @@ def markdown(args: argparse.Namespace, budget: float, summary: dict[str, Any]) -
             ["arm", *next(iter(summary["arms"].values()))],
         ),
     ]
-    ratio = summary["ratios"]["median_scaled_over_hand_tuned"]
+    ratios = summary["ratios"]
+    ratio = ratios["median_scaled_over_hand_tuned"]
+    between = ratios["median_scaled_over_hand_tuned_interpolated"]
     lines.append(
         f"Scaled at {args.learning_rate:g} over hand-tuned at {args.hand_tuned_lr:g}, steps to the target, "
-        f"paired by seed (the same batches, so a time ratio): "
-        + (", ".join(f"{r:.3f}" for r in summary["ratios"]["scaled_over_hand_tuned_steps"]) or "no pair")
-        + ("" if ratio is None else f"; median {ratio:.3f}")
+        f"paired by seed (the same batches, so a time ratio), at the first validation reaching it: "
+        + (", ".join(f"{r:.3f}" for r in ratios["scaled_over_hand_tuned_steps"]) or "no pair")
+        + ("" if ratio is None else f" (median {ratio:.3f})")
+        + "; where the line between validations crosses it: "
+        + (", ".join(f"{r:.3f}" for r in ratios["scaled_over_hand_tuned_interpolated"]) or "no pair")
+        + ("" if between is None else f" (median {between:.3f})")
         + (
             "."
             if not seed_row.get("median_train_seconds_to_target")
@@ -187,6 +220,7 @@ def main(argv: list[str] | None = None) -> None:
     add("--target", type=float, default=0.85, help="the validation macro-F1 to time")
     add("--processes", type=int, default=1, help="processes per run")
     add("--parallel", type=int, default=2, help="runs at a time (one per core at 1 process)")
+    add("--resummarize", action="store_true", help="summarize the runs saved in --out again; train none")
     args = parser.parse_args(argv)
     data = common.data_dir()
     if data is None:
@@ -207,9 +241,16 @@ def main(argv: list[str] | None = None) -> None:
     work = args.out / "lr-scaling-runs"
     work.mkdir(parents=True, exist_ok=True)
     specs = arms(args, budget)
-    print(f"{len(specs)} runs, {args.parallel} at a time ...", flush=True)
-    with ThreadPoolExecutor(args.parallel) as pool:  # threads only wait on the launched processes
-        runs = list(pool.map(lambda spec: run(args, shared, spec, work), specs))
+    if args.resummarize:  # the saved runs, in the order they were launched
+        runs = [
+            {**{k: v for k, v in spec.items() if k != "script"}, **json.loads(path.read_text())}
+            for spec in specs
+            if (path := work / f"{spec['arm']}-seed{spec['seed']}.json").exists()
+        ]
+    else:
+        print(f"{len(specs)} runs, {args.parallel} at a time ...", flush=True)
+        with ThreadPoolExecutor(args.parallel) as pool:  # threads only wait on the launched processes
+            runs = list(pool.map(lambda spec: run(args, shared, spec, work), specs))
     summary = summarize(runs, args.target)
     settings = {k: v for k, v in vars(args).items() if k != "out"}
     settings.update(max_tokens=budget, longest=longest, crossover=crossover)

@@ -6,6 +6,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -80,5 +81,12 @@ def test_times_to_the_target_and_the_paired_ratio() -> None:
     assert summary["ratios"]["median_scaled_over_hand_tuned"] == 2.75
     assert summary["arms"]["hand-tuned"]["median_steps_to_target"] == 15
     assert summary["arms"]["scaled"]["median_train_seconds_to_target"] == (21.0 + 28.0) / 2
+    # Between validations: seed 0 scaled crosses 0.85 at 20 + 10 * 0.01 / 0.011 steps, hand-tuned at
+    # 10 + 10 * 0.35 / 0.36; seed 1 hand-tuned at its first validation, on the line from (0, 0).
+    assert summary["rows"][0]["interpolated_steps"] == pytest.approx(10 + 10 * (0.85 - 0.5) / (0.86 - 0.5))
+    assert summary["rows"][2]["interpolated_steps"] == 10.0
+    assert summary["rows"][2]["interpolated_seconds"] == 7.0
+    between = summary["ratios"]["scaled_over_hand_tuned_interpolated"]
+    assert between[0] == pytest.approx((20 + 10 * (0.85 - 0.84) / (0.851 - 0.84)) / (10 + 10 * 0.35 / 0.36))
     unscaled = summary["arms"]["unscaled"]
     assert unscaled["reached"] == 0 and unscaled["median_steps_to_target"] is None  # a miss is no median
