@@ -79,7 +79,7 @@ def test_training_summary_tells_the_budget_and_the_plans(
     first = TokenBudgetBatchSampler(lengths, tc.MAX_TOKENS, seed=0, oversize="alone")
     assert value(lines, "Token budget per batch and device = ") == (
         f"max_tokens=320 (mean batch {tc.TRAIN_SIZE / len(first):.1f} samples in epoch 0's plan; "
-        "per_device_train_batch_size is not used)"
+        "per_device_train_batch_size is not used for batching)"
     )
     step = value(lines, "Mean samples per optimizer step (w. parallel, distributed & accumulation) = ")
     assert step == f"{tc.TRAIN_SIZE / per_epoch[0]:.1f}"

@@ -105,7 +105,7 @@ def training_rules(run: Callable[[], Run | None], *, accumulation: int, epochs: 
         return (
             f"Token budget per batch and device = max_tokens={sampler.max_tokens:g} (mean batch "
             f"{mean_batch(sampler):.1f} samples in epoch {sampler.epoch}'s plan; "
-            f"per_device_train_batch_size is not used)"
+            f"per_device_train_batch_size is not used for batching)"
         )
 
     def step_size(run: Run, sampler: TokenBudgetBatchSampler) -> str:
