@@ -49,15 +49,19 @@ def arms(args: argparse.Namespace, budget: float) -> list[dict[str, Any]]:
         "scaled": (args.learning_rate, ["--lr_scaling", "linear", *reference]),
         "unscaled": (args.learning_rate, []),
     }
-    runs = [
-        {
-            "arm": "seed",
-            "seed": args.seeds[0],
-            "lr": args.learning_rate,
-            "script": [*WORKERS, "seed", "--batch_size", str(args.batch_size)],
-            "epochs": args.seed_epochs,
-        }
-    ]
+    runs = (
+        []
+        if not args.seed_epochs
+        else [
+            {
+                "arm": "seed",
+                "seed": args.seeds[0],
+                "lr": args.learning_rate,
+                "script": [*WORKERS, "seed", "--batch_size", str(args.batch_size)],
+                "epochs": args.seed_epochs,
+            }
+        ]
+    )
     for seed in args.seeds:
         for arm, (lr, extra) in kinds.items():
             if arm == "unscaled" and seed not in args.unscaled_seeds:
@@ -78,6 +82,17 @@ def run(args: argparse.Namespace, shared: list[str], spec: dict[str, Any], work:
     launch([*spec["script"], *shared, *settings], args.processes, work / f"{stem}.log")
     result = json.loads(out.read_text())
     print(f"  {stem} done in {time.perf_counter() - start:.0f} s", flush=True)
+    return {**{k: v for k, v in spec.items() if k != "script"}, **result}
+
+
+def saved_run(spec: dict[str, Any], work: Path) -> dict[str, Any] | None:
+    """The run ``spec`` as an earlier invocation saved it in ``work``, if it trained as many epochs."""
+    path = work / f"{spec['arm']}-seed{spec['seed']}.json"
+    if not path.exists():
+        return None
+    result = json.loads(path.read_text())
+    if len(result["epochs"]) != spec["epochs"]:
+        return None
     return {**{k: v for k, v in spec.items() if k != "script"}, **result}
 
 
@@ -213,14 +228,14 @@ def main(argv: list[str] | None = None) -> None:
     add("--seeds", default="0,1,2", help="seeds of the tokenbatch arms (comma-separated)")
     add("--unscaled_seeds", default="0", help="seeds that also run the unscaled arm ('' for none)")
     add("--epochs", type=int, help="epochs of the tokenbatch arms (default 3; 1 with --quick)")
-    add("--seed_epochs", type=int, help="epochs of the seed's run (default 2; 1 with --quick)")
+    add("--seed_epochs", type=int, help="epochs of the seed's run (default 2; 1 with --quick; 0: no run)")
     add("--evals_per_epoch", type=int, default=4)
     add("--train_limit", type=int, help="default 4000 (240 with --quick)")
     add("--eval_limit", type=int, help="default all 2000 (200 with --quick)")
     add("--target", type=float, default=0.85, help="the validation macro-F1 to time")
     add("--processes", type=int, default=1, help="processes per run")
     add("--parallel", type=int, default=2, help="runs at a time (one per core at 1 process)")
-    add("--resummarize", action="store_true", help="summarize the runs saved in --out again; train none")
+    add("--reuse", action="store_true", help="take runs already saved in --out instead of training them")
     args = parser.parse_args(argv)
     data = common.data_dir()
     if data is None:
@@ -228,7 +243,7 @@ def main(argv: list[str] | None = None) -> None:
     args.seeds = [int(s) for s in args.seeds.split(",") if s]
     args.unscaled_seeds = [int(s) for s in args.unscaled_seeds.split(",") if s]
     args.epochs = args.epochs or (1 if args.quick else 3)
-    args.seed_epochs = args.seed_epochs or (1 if args.quick else 2)
+    args.seed_epochs = (1 if args.quick else 2) if args.seed_epochs is None else args.seed_epochs
     args.train_limit = args.train_limit or (240 if args.quick else 4000)
     args.eval_limit = args.eval_limit or (200 if args.quick else None)
     if args.quick:
@@ -241,16 +256,13 @@ def main(argv: list[str] | None = None) -> None:
     work = args.out / "lr-scaling-runs"
     work.mkdir(parents=True, exist_ok=True)
     specs = arms(args, budget)
-    if args.resummarize:  # the saved runs, in the order they were launched
-        runs = [
-            {**{k: v for k, v in spec.items() if k != "script"}, **json.loads(path.read_text())}
-            for spec in specs
-            if (path := work / f"{spec['arm']}-seed{spec['seed']}.json").exists()
-        ]
-    else:
-        print(f"{len(specs)} runs, {args.parallel} at a time ...", flush=True)
-        with ThreadPoolExecutor(args.parallel) as pool:  # threads only wait on the launched processes
-            runs = list(pool.map(lambda spec: run(args, shared, spec, work), specs))
+    saved = {id(spec): saved_run(spec, work) for spec in specs} if args.reuse else {}
+    todo = [spec for spec in specs if saved.get(id(spec)) is None]
+    print(f"{len(specs)} runs ({len(specs) - len(todo)} saved), {args.parallel} at a time ...", flush=True)
+    with ThreadPoolExecutor(args.parallel) as pool:  # threads only wait on the launched processes
+        results = list(pool.map(lambda spec: run(args, shared, spec, work), todo))
+    trained = {id(spec): result for spec, result in zip(todo, results, strict=True)}
+    runs = [saved.get(id(spec)) or trained[id(spec)] for spec in specs]
     summary = summarize(runs, args.target)
     settings = {k: v for k, v in vars(args).items() if k != "out"}
     settings.update(max_tokens=budget, longest=longest, crossover=crossover)
