@@ -19,9 +19,10 @@ from typing import Any
 from benchmarks import common
 from benchmarks.readings import READERS, headline
 
-# "auto" (benchmarks/auto.py) is run on its own, not by ``python -m benchmarks``: 15 minutes on CPU.
+# "auto" (benchmarks/auto.py) and "lr_scaling" are run on their own, not by ``python -m benchmarks``:
+# 15 minutes and over an hour on CPU.
 MODULES = (
-    "padding", "planning", "streaming", "training", "oom_recovery",
+    "padding", "planning", "streaming", "training", "lr_scaling", "oom_recovery",
     "growth", "probe", "auto", "gpu", "ddp_overlap",
 )  # fmt: skip
 # What a person wrote about a benchmark's figures (benchmarks/notes/<name>.md): kept apart from
@@ -32,6 +33,7 @@ TITLES = {
     "planning": "Planning speed",
     "streaming": "Streaming (TokenBudgetStream)",
     "training": "Training throughput (CPU)",
+    "lr_scaling": "The seed's learning rate, scaled per step (CPU)",
     "oom_recovery": "OOM recovery",
     "growth": "Growth after OOM",
     "probe": "Budget probe",
