@@ -123,13 +123,14 @@ def test_one_process_split(
     )
     check_run(done, metrics, train_tokens)
     assert metrics["world_size"] == 1
+    assert "lr 0.001 scaled per step (sqrt) by 32 texts of mean length" in done.stdout
     assert metrics["epochs"][-1]["sampler_max_tokens"] == metrics["sampler_max_tokens"] == MAX_TOKENS
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "mode, where, rank",
-    [("split", "backward", "1"), ("halve", "forward", "0")],  # the first with the lr scaled per step
+    [("split", "backward", "1"), ("halve", "forward", "0")],  # the first with the lr scaled (the default)
     ids=["split-backward-rank1", "halve-forward-rank0"],
 )
 def test_two_processes(
@@ -149,10 +150,13 @@ def test_two_processes(
         2,
         *("--oom_mode", mode, "--simulate_oom_above", "700"),
         *("--simulate_oom_where", where, "--simulate_oom_rank", rank),
-        *(("--lr_scaling", "linear") if mode == "split" else ()),  # a global count in every step
+        *(() if mode == "split" else ("--lr_scaling", "none")),  # split: the default, linear scaling
     )
     check_run(done, metrics, train_tokens)
     assert metrics["world_size"] == 2
+    # The default reference is the seed's batch: 32 texts per process.
+    scaling = "(linear) by 64 texts" if mode == "split" else "(none) by 64 texts"
+    assert f"lr 0.001 scaled per step {scaling} of mean length" in done.stdout
     assert {tuple(event["ranks"]) for event in metrics["oom_events"]} == {(int(rank),)}
     # Printed once, by the main process only.
     assert len(EPOCH_LINE.findall(done.stdout)) == EPOCHS
@@ -196,7 +200,7 @@ def test_help_shows_every_default(tmp_path: Path) -> None:
     )
     assert done.returncode == 0, done.stderr[-3000:]
     text = " ".join(done.stdout.split())  # argparse wraps the help lines
-    for default in ("bert-base-cased", "512", "16384", "split", "forward", "5e-05", "None", "none", "32"):
+    for default in ("bert-base-cased", "512", "16384", "split", "forward", "5e-05", "None", "linear"):
         assert f"(default: {default})" in text, default
     assert text.count("(default: ") == 19, text  # every option but --help
 

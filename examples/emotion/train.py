@@ -73,8 +73,8 @@ def parse_args(argv: list[str] | None = None) -> Namespace:
     add("--simulate_oom_where", choices=("forward", "backward"), default="forward", help="in this pass")
     add("--simulate_oom_rank", type=int, help="on this rank only; unset: every rank")
     add("--learning_rate", type=float, default=5e-5, help="Adam's learning rate")
-    add("--lr_scaling", choices=("none", "sqrt", "linear"), default="none", help="lr x rule(step/reference)")
-    add("--lr_reference", type=float, default=32, help="texts per step (all processes) the lr suits")
+    add("--lr_scaling", choices=("none", "sqrt", "linear"), default="linear", help="lr x rule(step/ref.)")
+    add("--lr_reference", type=float, help="texts per step, all processes, the lr suits (32 per process)")
     add("--num_epochs", type=int, default=5, help="epochs to train")
     add("--seed", type=int, default=0, help="seed of the plans and of the head's initialisation")
     args = parser.parse_args(argv)
@@ -132,14 +132,16 @@ def train(args: Namespace, accelerator: Accelerator) -> list[dict[str, Any]]:
     )  # fmt: skip
     # No find_unused_parameters (the seed's fix for the unused pooler): it is dropped, OOMFallback syncs.
     fallback = OOMFallback(sampler, model, accelerator=accelerator, mode=args.oom_mode)
-    tokens = args.lr_reference * lengths.mean()  # by real tokens, steadier than texts under a budget (README)
-    scaling = BatchScaledLR(optimizer, reference=tokens, by="tokens", rule=args.lr_scaling)
+    # The seed's batch of 32 per process; counted in real tokens, steadier than texts under a budget (README).
+    texts = args.lr_reference or 32 * accelerator.num_processes
+    scaling = BatchScaledLR(optimizer, reference=texts * lengths.mean(), by="tokens", rule=args.lr_scaling)
     stats, crossover = sampler.stats(), 1 / cost.quadratic if cost.quadratic else math.inf
     accelerator.print(
         f"{len(train_set)} training texts, {len(eval_set)} validation texts, {accelerator.num_processes} "
         f"process(es), max_tokens={sampler.max_tokens:g} per process, attention crossover {crossover:.0f}: "
         f"{stats.num_steps} steps per epoch, {stats.mean_batch_size:.1f} texts per batch on average "
-        f"(at most {stats.max_batch_size}), {stats.padding_efficiency:.0%} of padded tokens are real"
+        f"(at most {stats.max_batch_size}), {stats.padding_efficiency:.0%} of padded tokens are real; "
+        f"lr {args.learning_rate:g} scaled per step ({args.lr_scaling}) by {texts:g} texts of mean length"
     )
     ranks, epochs = None if args.simulate_oom_rank is None else [args.simulate_oom_rank], []
     for epoch in range(args.num_epochs):
