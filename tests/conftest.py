@@ -221,3 +221,18 @@ def torchrun() -> Torchrun:
         return done
 
     return launch
+
+
+@pytest.fixture(scope="module")
+def one_thread() -> Any:
+    """One torch thread and no hub for a module's tests (``pytest.mark.usefixtures("one_thread")``).
+
+    The machine is shared, and runs that a module compares reduce in one order on one thread.
+    """
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    yield
+    torch.set_num_threads(threads)

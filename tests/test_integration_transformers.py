@@ -33,15 +33,7 @@ try:
 finally:
     sys.path.pop(0)
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread() -> Any:
-    """One thread (the machine is shared), set before the module's runs so they all reduce in one order."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 def uses_per_epoch(steps: list[dict[str, Any]]) -> dict[int, Counter[int]]:

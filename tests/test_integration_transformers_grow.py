@@ -26,17 +26,10 @@ try:
 finally:
     del sys.path[:2]
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 EPOCHS = 3
 RESUME_STEP = 14  # in epoch 1, after the growth of epoch 0
 LIMIT = 200.0  # the true limit: 320 halves to 240, which fails, then to 200; growth tries above
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread() -> Any:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module", params=[("halve", 1), ("split", 1), ("halve", 2)], ids=str)

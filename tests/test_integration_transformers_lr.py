@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -30,17 +29,9 @@ try:
 finally:
     sys.path.pop(0)
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 RULES = {"linear": lambda ratio: ratio, "sqrt": math.sqrt}
 CHECKPOINT = 3  # the scaled run saves after optimizer step 3
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread() -> Any:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    yield
-    torch.set_num_threads(threads)
 
 
 def train(

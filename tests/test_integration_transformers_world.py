@@ -10,14 +10,12 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
 import sys
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = REPO / "tests" / "scripts"
@@ -28,17 +26,8 @@ try:
 finally:
     sys.path.pop(0)
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 NARROW_CHECKPOINT = 4  # 1 process, accumulation 1: optimizer step 4 of epoch 0's 11
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread() -> Any:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
