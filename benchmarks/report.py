@@ -19,10 +19,10 @@ from typing import Any
 from benchmarks import common
 from benchmarks.readings import READERS, headline
 
-# "auto" (benchmarks/auto.py) and "lr_scaling" are run on their own, not by ``python -m benchmarks``:
-# 15 minutes and over an hour on CPU.
+# "auto", "lr_scaling" and "trainer_lr" are run on their own, not by ``python -m benchmarks``:
+# 15 minutes to over an hour each on CPU.
 MODULES = (
-    "padding", "planning", "streaming", "training", "lr_scaling", "oom_recovery",
+    "padding", "planning", "streaming", "training", "lr_scaling", "trainer_lr", "oom_recovery",
     "growth", "probe", "auto", "gpu", "ddp_overlap",
 )  # fmt: skip
 # What a person wrote about a benchmark's figures (benchmarks/notes/<name>.md): kept apart from
@@ -34,6 +34,7 @@ TITLES = {
     "streaming": "Streaming (TokenBudgetStream)",
     "training": "Training throughput (CPU)",
     "lr_scaling": "The seed's learning rate, scaled per step (CPU)",
+    "trainer_lr": "The seed's learning rate, scaled per step, in TokenBudgetTrainer (CPU)",
     "oom_recovery": "OOM recovery",
     "growth": "Growth after OOM",
     "probe": "Budget probe",
