@@ -120,10 +120,15 @@ def interpolated(evals: list[dict[str, Any]], target: float, field: str) -> floa
 
 
 def summarize(runs: list[dict[str, Any]], target: float) -> dict[str, Any]:
-    """Per run: steps, epochs and training seconds to ``target``; per arm: medians; paired ratios."""
+    """Per run: steps, epochs and training seconds to ``target``; per arm: medians; paired ratios.
+
+    Runs whose validation records carry no ``train_seconds`` (Trainer's logs) get None for the times.
+    """
     rows = []
     for result in runs:
         hit = first_reaching(result["evals"], target)
+        timed = all("train_seconds" in record for record in result["evals"])
+        seconds = interpolated(result["evals"], target, "train_seconds") if timed else None
         rows.append(
             {
                 "arm": result["arm"],
@@ -133,9 +138,9 @@ def summarize(runs: list[dict[str, Any]], target: float) -> dict[str, Any]:
                 "final_macro_f1": result["evals"][-1]["macro_f1"],
                 "steps_to_target": hit and hit["step"],
                 "epochs_to_target": hit and hit["epoch"],
-                "train_seconds_to_target": hit and hit["train_seconds"],
+                "train_seconds_to_target": hit["train_seconds"] if hit and timed else None,
                 "interpolated_steps": interpolated(result["evals"], target, "step"),
-                "interpolated_seconds": interpolated(result["evals"], target, "train_seconds"),
+                "interpolated_seconds": seconds,
                 "lr_scale_mean": statistics.mean(e.get("lr_scale_mean", 1.0) for e in result["epochs"]),
             }
         )

@@ -153,9 +153,6 @@ def main(argv: list[str] | None = None) -> None:
     with ThreadPoolExecutor(2) as pool:  # one run per core
         trained = dict(zip([spec["out"] for spec in todo], pool.map(launch, todo), strict=True))
     runs = [saved.get(spec["out"]) or trained[spec["out"]] for spec in specs]
-    for result in runs:  # Trainer's records carry no seconds: steps are the clock here
-        for record in result["evals"]:
-            record["train_seconds"] = record["step"]
     summary = summarize(runs, target)
     text = "\n\n".join(
         [

@@ -90,3 +90,15 @@ def test_times_to_the_target_and_the_paired_ratio() -> None:
     assert between[0] == pytest.approx((20 + 10 * (0.85 - 0.84) / (0.851 - 0.84)) / (10 + 10 * 0.35 / 0.36))
     unscaled = summary["arms"]["unscaled"]
     assert unscaled["reached"] == 0 and unscaled["median_steps_to_target"] is None  # a miss is no median
+
+
+def test_runs_without_training_times_are_compared_by_steps_alone() -> None:
+    runs = [run("hand-tuned", 0, [0.5, 0.86]), run("scaled", 0, [0.4, 0.9])]
+    for result in runs:  # as Trainer's log history gives them: steps, no seconds
+        for record in result["evals"]:  # type: ignore[attr-defined]
+            del record["train_seconds"]
+    summary = summarize(runs, 0.85)
+    assert [r["steps_to_target"] for r in summary["rows"]] == [20, 20]
+    assert [r["train_seconds_to_target"] for r in summary["rows"]] == [None, None]
+    assert [r["interpolated_seconds"] for r in summary["rows"]] == [None, None]
+    assert summary["ratios"]["scaled_over_hand_tuned_steps"] == [1.0]
