@@ -16,7 +16,6 @@ their steps to the target is their time ratio.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import subprocess
@@ -36,6 +35,7 @@ def worker(spec: dict[str, Any]) -> None:
     """One Trainer run (in its own process): its validation records go to ``spec["out"]``."""
     import numpy as np
     import torch
+    from accelerate import PartialState
     from sklearn.metrics import f1_score
     from transformers import AutoModelForSequenceClassification, AutoTokenizer, TrainingArguments
 
@@ -46,7 +46,7 @@ def worker(spec: dict[str, Any]) -> None:
     torch.set_num_threads(1)
     args = type("Args", (), spec)()
     tokenizer = AutoTokenizer.from_pretrained(spec["model_name"])
-    _, train, validation = load_task(args, _OneProcess())
+    _, train, validation = load_task(args, PartialState())  # its main_process_first, as Trainer's
     model = AutoModelForSequenceClassification.from_pretrained(spec["model_name"], num_labels=6)
 
     def macro_f1(prediction: Any) -> dict[str, float]:
@@ -76,14 +76,6 @@ def worker(spec: dict[str, Any]) -> None:
     epochs = [{"lr_scale_mean": sum(scales) / len(scales) if scales else 1.0}]
     result = {"evals": evals, "epochs": epochs, "steps_per_epoch": steps_per_epoch}
     Path(spec["out"]).write_text(json.dumps(result))
-
-
-class _OneProcess:
-    """All ``load_task`` asks of an Accelerator, for a single process (Trainer makes its own)."""
-
-    @staticmethod
-    def main_process_first() -> contextlib.AbstractContextManager[None]:
-        return contextlib.nullcontext()
 
 
 def rounded(values: list[float]) -> str:
