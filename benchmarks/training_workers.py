@@ -176,8 +176,9 @@ def seed_worker(argv: list[str]) -> None:
                 optimizer.step()
                 optimizer.zero_grad()
                 loss_sum, steps = loss_sum + loss.item(), steps + 1
-                tokens += int(batch["attention_mask"].sum())
-                points.after_step(epoch, tokens=int(batch["attention_mask"].sum()))
+                real = int(batch["attention_mask"].sum())
+                tokens += real
+                points.after_step(epoch, tokens=real)
             train_seconds = time.perf_counter() - start - (points.validation_seconds - validated)
             totals = accelerator.reduce(torch.tensor([loss_sum, steps, tokens], dtype=torch.float64), "sum")
             macro_f1, scored = points.end_epoch()
@@ -259,8 +260,9 @@ def train_tokenbatch(args: argparse.Namespace, accelerator: Accelerator) -> dict
                 optimizer.zero_grad()
                 loss_sum += float(loss)
                 steps += 1
-                tokens += int(batch["attention_mask"].sum())
-                points.after_step(epoch, tokens=int(batch["attention_mask"].sum()))
+                real = int(batch["attention_mask"].sum())
+                tokens += real
+                points.after_step(epoch, tokens=real)
         train_seconds = time.perf_counter() - start - (points.validation_seconds - validated)
         totals = accelerator.reduce(
             torch.tensor([loss_sum, steps, tokens], dtype=torch.float64, device=accelerator.device), "sum"
