@@ -3,7 +3,7 @@
 For emotion and IMDB (all-MiniLM-L6-v2 token lengths of the train sets) and
 1M lognormal lengths, at buffer sizes 1k, 10k and 100k, it measures:
 
-- padding efficiency and steps / lower bound (:func:`tokenbatch.stats.batch_stats`,
+- padding efficiency and steps / lower bound (:func:`tokenbatch.plan.batch_stats`,
   the numbers ``tokenbatch plan`` prints) of the stream and of
   :class:`tokenbatch.TokenBudgetBatchSampler` (shuffle on), medians over epochs;
 - peak memory per sample (``tracemalloc``; numpy reports its buffers to it):
@@ -38,7 +38,7 @@ import numpy as np
 from benchmarks import common
 from tokenbatch import CostModel, TokenBudgetBatchSampler, TokenBudgetStream
 from tokenbatch.plan import Plan
-from tokenbatch.stats import batch_stats
+from tokenbatch.plan import batch_stats
 
 BUFFERS = (1_000, 10_000, 100_000)
 THROUGHPUT_GOAL = 500_000  # examples/s at buffer 10k (issue 12)

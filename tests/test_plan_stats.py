@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from tokenbatch import CostModel, PlanStats, TokenBudgetBatchSampler
 from tokenbatch.plan import Plan
-from tokenbatch.stats import batch_stats, lower_bound_steps
+from tokenbatch.plan import batch_stats, lower_bound_steps
 
 
 @st.composite

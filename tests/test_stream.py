@@ -14,7 +14,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from tokenbatch import CostModel, OversizeSampleError, TokenBudgetBatchSampler, TokenBudgetStream
-from tokenbatch.stats import lower_bound_steps
+from tokenbatch.plan import lower_bound_steps
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
 from stream_common import batch_cost, ids, long_tailed, make_examples

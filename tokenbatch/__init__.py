@@ -1,6 +1,5 @@
 """tokenbatch: length-aware dynamic batching under a token budget, with an OOM fallback."""
 
-from tokenbatch._budget import UnresolvedBudgetError
 from tokenbatch.cost import CostModel
 from tokenbatch.lengths import column_lengths, text_lengths
 from tokenbatch.lr import BatchScaledLR, count_batch, global_count, global_token_count
@@ -16,7 +15,6 @@ from tokenbatch.probe import (
     remember_budget,
 )
 from tokenbatch.sampler import TokenBudgetBatchSampler
-from tokenbatch.stats import PlanStats
 from tokenbatch.stream import TokenBudgetStream
 
 __version__ = "0.1.0"
@@ -30,13 +28,11 @@ __all__ = [
     "OOMEvent",
     "OOMFallback",
     "OversizeSampleError",
-    "PlanStats",
     "ProbeResult",
     "RankFailedError",
     "SampleTooLargeError",
     "TokenBudgetBatchSampler",
     "TokenBudgetStream",
-    "UnresolvedBudgetError",
     "__version__",
     "auto_budget",
     "column_lengths",

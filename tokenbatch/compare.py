@@ -5,7 +5,7 @@ batch ``b`` is ``order[offsets[b]:offsets[b + 1]]``. With ``W`` processes,
 consecutive runs of ``W`` batches form one global step (rank ``r`` takes
 batches ``r, r + W, ...``, as accelerate's ``BatchSamplerShard`` does).
 Everything is vectorised numpy, and measured by the one
-:func:`tokenbatch.stats.batch_stats` that ``sampler.stats()`` uses. Used by
+:func:`tokenbatch.plan.batch_stats` that ``sampler.stats()`` uses. Used by
 ``tokenbatch plan --compare`` and the benchmarks.
 """
 
@@ -14,8 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from tokenbatch.cost import CostModel
-from tokenbatch.plan import Plan, fit_count
-from tokenbatch.stats import PlanStats, batch_stats, lower_bound_steps
+from tokenbatch.plan import Plan, PlanStats, batch_stats, fit_count, lower_bound_steps
 
 __all__ = [
     "ROW",

@@ -20,31 +20,150 @@ The algorithm, per epoch (or per re-plan of what is left of one):
    batches, one per rank, so no rank waits long on another; shuffle the
    steps, and put the costliest step first so an out-of-memory error shows
    at step 0 rather than hours in.
+
+An epoch re-planned mid-way (an out-of-memory error in halve mode, a resume
+on another number of ranks) is a :class:`History`: how it started, then each
+re-plan; :meth:`Planner.plan` makes the epoch's plan from it, the same on
+every rank and after a restart::
+
+    History(max_tokens=B0, num_replicas=W0, replans=(Replan(s1, B1, W0), Replan(s2, B1, W2)))
+
+    steps   0 ......... s1-1 | s1 ......... s2-1 | s2 ......... end
+    plan    every sample     | what was left     | what was left
+            under B0, W0     | after s1: B1, W0  | after s2: B1, W2
+
+A re-plan keeps the first ``s`` steps (they have been trained) and plans
+every sample after them again; the ``k``-th re-plan draws its random choices
+from ``(seed, epoch, k)``. :func:`batch_stats` describes any plan (padding,
+budget use, balance between ranks): ``sampler.stats()``, ``tokenbatch plan``
+and the comparisons of :mod:`tokenbatch.compare` all read it.
 """
 
 from __future__ import annotations
 
 import functools
 import heapq
+import logging
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from tokenbatch._pack import fit_count, pack_sorted
-
 if TYPE_CHECKING:
     from tokenbatch.cost import CostModel
 
-__all__ = [
-    "OVERSIZE_POLICIES",
-    "OversizeSampleError",
-    "Plan",
-    "fit_count",
-    "oversize_error",
-    "pack_sorted",
-    "plan_batches",
-]
+__all__ = ["OversizeSampleError", "Plan", "PlanStats", "batch_stats", "plan_batches"]
+
+logger = logging.getLogger("tokenbatch.sampler")
+
+# -- packing: how many samples fit a budget ----------------------------------------
+
+
+def fit_count(unit: float, budget: float, most: int) -> int:
+    """How many samples that each cost ``unit`` fit ``budget`` together, at most ``most``.
+
+    The largest ``count <= most`` with ``count * unit <= budget``, the product
+    taken in floats as the cost model takes it. ``most`` (a batch-size cap, or
+    the samples there are) keeps the answer and the work finite for any finite
+    budget: above 2**53 one more sample no longer changes the float product,
+    so counting up one at a time would never stop.
+
+    Example:
+        >>> fit_count(3.0, 10.0, 100), fit_count(3.0, 10.0, 2), fit_count(2.0, 1e300, 50)
+        (3, 2, 50)
+    """
+
+    def fits(count: int) -> bool:
+        return count * unit <= budget
+
+    # The quotient is right or one off; the product settles it. `not <` also catches an overflow to inf.
+    guess = most if not budget / unit < most else min(int(budget // unit), most)
+    if fits(guess):  # gallop up from a count that fits to one that does not (or past `most`)
+        low, step = guess, 1
+        while low + step <= most and fits(low + step):
+            low, step = low + step, 2 * step
+        high = min(low + step, most + 1)
+    else:  # gallop down from a count that does not fit to one that does (0 always does)
+        high, step = guess, 1
+        while high - step > 0 and not fits(high - step):
+            high, step = high - step, 2 * step
+        low = max(high - step, 0)
+    while high - low > 1:  # `low` fits, `high` does not or is past `most`
+        middle = (low + high) // 2
+        low, high = (middle, high) if fits(middle) else (low, middle)
+    return low
+
+
+def _round_to_multiple(count: int, multiple: int) -> int:
+    return count - count % multiple if count >= multiple else count
+
+
+def pack_sorted(
+    unit_sorted: np.ndarray,
+    budget: float,
+    *,
+    max_batch_size: int | None = None,
+    batch_size_multiple: int = 1,
+    first_budget: float | None = None,
+) -> np.ndarray:
+    """Greedy batch sizes along samples sorted by per-sample cost.
+
+    Args:
+        unit_sorted: per-sample costs in nondecreasing order, each <= budget.
+        budget: the most a batch may cost (``count * its largest unit cost``).
+        max_batch_size: optional cap on samples per batch.
+        batch_size_multiple: batch sizes are rounded down to a multiple of
+            this where at least that many samples fit.
+        first_budget: a smaller budget for the first batch only.
+
+    Returns:
+        The batch sizes, in order; they sum to ``len(unit_sorted)``.
+
+    Example:
+        >>> pack_sorted(np.array([1.0, 1.0, 2.0, 2.0, 4.0]), 4.0).tolist()
+        [2, 2, 1]
+    """
+    n = len(unit_sorted)
+    run_ends = np.append(np.flatnonzero(unit_sorted[1:] != unit_sorted[:-1]) + 1, n)
+    pieces: list[np.ndarray] = []
+    start = 0
+    run = 0
+    limit = budget if first_budget is None else min(first_budget, budget)
+    # A batch never needs more than the n samples there are. Capping the count at
+    # n + batch_size_multiple (not n) keeps a count rounded to the multiple above
+    # n, so the batches are the ones an unbounded count makes.
+    most = n + batch_size_multiple if max_batch_size is None else min(max_batch_size, n + batch_size_multiple)
+    while start < n:
+        while run_ends[run] <= start:
+            run += 1
+        unit = float(unit_sorted[start])
+        room = fit_count(unit, limit, most)
+        if room == 0:  # the first batch's share was too small for its first sample
+            limit = budget
+            continue
+        full = _round_to_multiple(room, batch_size_multiple)
+        if limit == budget:
+            # Inside a run of equal costs every batch takes exactly `full`.
+            repeats = (run_ends[run] - start) // full
+            if repeats:
+                pieces.append(np.full(repeats, full, dtype=np.int64))
+                start += repeats * full
+                if start == run_ends[run]:
+                    continue
+        # A batch that crosses into longer samples: the largest prefix whose
+        # count times its (growing) last cost stays within the limit.
+        window = unit_sorted[start : start + room]
+        costs = window * np.arange(1, len(window) + 1)
+        count = _round_to_multiple(int(np.searchsorted(costs, limit, side="right")), batch_size_multiple)
+        pieces.append(np.array([count], dtype=np.int64))
+        start += count
+        limit = budget
+    return np.concatenate(pieces) if pieces else np.empty(0, np.int64)
+
+
+# -- the plan ----------------------------------------------------------------------
 
 OVERSIZE_POLICIES = ("error", "skip", "alone")
 _SHIFT_TRIES = 4
@@ -62,7 +181,7 @@ class Plan:
     step ``s`` holds batches ``s * num_replicas`` to ``(s + 1) * num_replicas - 1``,
     one for each rank in rank order. Where an epoch was resumed on another
     number of ranks, the steps before keep their width and ``step_starts``
-    says where each step begins. :func:`tokenbatch.stats.batch_stats`
+    says where each step begins. :func:`tokenbatch.plan.batch_stats`
     describes a plan; any batching ``(order, offsets)`` can be wrapped in one.
 
     Example:
@@ -332,3 +451,259 @@ def _small_int(keys: np.ndarray) -> np.ndarray:
     if len(keys) and int(keys.max()) <= np.iinfo(np.int16).max:
         return keys.astype(np.int16)
     return keys
+
+
+# -- an epoch's plan after its re-plans --------------------------------------------
+
+
+@dataclass(frozen=True)
+class Replan:
+    """From step ``steps_done`` on, the samples left are planned under ``max_tokens`` for ``num_replicas``."""
+
+    steps_done: int
+    max_tokens: float
+    num_replicas: int
+    """The ranks the part is planned for."""
+
+
+@dataclass(frozen=True)
+class History:
+    """How an epoch's plan came about: the budget and ranks it started with, then every re-plan in order."""
+
+    max_tokens: float
+    num_replicas: int | None = None
+    """None: the sampler's number of ranks, read when the plan is made (a fresh epoch)."""
+    replans: tuple[Replan, ...] = ()
+
+    def then(self, replan: Replan) -> History:
+        return History(self.max_tokens, self.num_replicas, (*self.replans, replan))
+
+    def extends(self, earlier: History) -> bool:
+        """This is ``earlier`` with more re-plans (no new epoch or resume in between)."""
+        return (
+            (self.max_tokens, self.num_replicas) == (earlier.max_tokens, earlier.num_replicas)
+            and self.replans[: len(earlier.replans)] == earlier.replans
+            and len(self.replans) > len(earlier.replans)
+        )
+
+    def on(self, world: int) -> History:
+        """This history, planned from the start for ``world`` ranks where it does not say."""
+        return self if self.num_replicas is not None else History(self.max_tokens, world, self.replans)
+
+    def check_steps_done(self, steps_done: int, plan: Plan, name: str = "steps_done") -> None:
+        """Refuse a count of steps trained beyond ``plan`` (this history's) or before its last re-plan."""
+        last = self.replans[-1].steps_done if self.replans else 0
+        if steps_done < last:
+            raise ValueError(
+                f"{name} should be at least {last}, the step the epoch was last re-planned at (the steps "
+                f"before it have been trained), but got {name}={steps_done}"
+            )
+        if steps_done > plan.num_steps:
+            raise ValueError(
+                f"{name} should be at most the {plan.num_steps} steps of the epoch's plan, but got "
+                f"{name}={steps_done}"
+            )
+
+    def budget_per_batch(self, plan: Plan) -> np.ndarray:
+        """The budget each batch of ``plan`` (this history's) was planned under."""
+        budgets = np.full(plan.num_batches, self.max_tokens)
+        for replan in self.replans:
+            budgets[plan.step_start(replan.steps_done) :] = replan.max_tokens
+        return budgets
+
+    def world(self, default: int) -> int:
+        """The ranks the last part is planned for (``default``: the sampler's)."""
+        if self.replans:
+            return self.replans[-1].num_replicas
+        return default if self.num_replicas is None else self.num_replicas
+
+
+@dataclass(frozen=True)
+class Planner:
+    """The sampler's planning inputs: sort keys and costs of every sample, and its settings."""
+
+    keys: np.ndarray
+    unit: np.ndarray
+    shuffle: bool
+    seed: int
+    max_batch_size: int | None
+    batch_size_multiple: int
+    drop_last: bool
+    oversize: str
+    admitted: float | None = None
+    """The budget ``oversize`` is judged against: under a lower one, a sample within it goes alone."""
+
+    def plan(self, epoch: int, history: History, world: int, *, names: Sequence[str] | None = None) -> Plan:
+        """The plan of ``epoch`` after ``history``, on ``world`` ranks where the history does not say.
+
+        Args:
+            names: what to call the start and each re-plan in an error (the
+                fields of a loaded state), in order.
+
+        Raises:
+            ValueError: a re-plan starts beyond the steps planned before it, or
+                a part cannot be planned (:class:`OversizeSampleError`, too few
+                samples for the ranks); with ``names``, the message names the part.
+        """
+        plan: Plan | None = None
+        start = Replan(0, history.max_tokens, world if history.num_replicas is None else history.num_replicas)
+        for number, replan in enumerate([start, *history.replans]):
+            name = names[number] if names is not None else f"re-plan {number}"
+            if plan is None:
+                rest = np.arange(len(self.keys))
+            elif replan.steps_done > plan.num_steps:
+                raise ValueError(
+                    f"{name} should re-plan within the {plan.num_steps} steps planned before it, "
+                    f"but got steps_done={replan.steps_done}"
+                )
+            else:
+                rest = plan.remaining_after(replan.steps_done)
+            try:
+                part = self.part(rest, replan.max_tokens, replan.num_replicas, epoch, number)
+            except ValueError as error:  # OversizeSampleError, or too few samples for the ranks
+                if names is None:
+                    raise
+                raise type(error)(f"{name} cannot be planned: {error}") from error
+            plan = part if plan is None else plan.first_steps(replan.steps_done).then(part)
+        assert plan is not None  # the loop ran at least once
+        return plan
+
+    def part(self, indices: np.ndarray, max_tokens: float, world: int, epoch: int, replan: int) -> Plan:
+        """The plan of the samples ``indices`` under ``max_tokens``: the ``replan``-th part of the epoch."""
+        rng = np.random.default_rng([self.seed, epoch, replan]) if self.shuffle else None
+        plan = plan_batches(
+            indices,
+            self.keys,
+            self.unit,
+            max_tokens,
+            rng=rng,
+            num_replicas=world,
+            max_batch_size=self.max_batch_size,
+            batch_size_multiple=self.batch_size_multiple,
+            drop_last=self.drop_last,
+            oversize=self.oversize,
+            admitted=self.admitted,
+        )
+        if len(plan.skipped):
+            logger.warning(
+                "epoch %d: left out %d sample(s) that alone exceed max_tokens=%g (oversize='skip'), "
+                "for example sample %d",
+                epoch,
+                len(plan.skipped),
+                max_tokens,
+                plan.skipped[0],
+            )
+        if len(plan.dropped):
+            logger.warning(
+                "epoch %d: dropped %d sample(s) so that %d ranks get the same number of batches "
+                "(drop_last=True)",
+                epoch,
+                len(plan.dropped),
+                world,
+            )
+        return plan
+
+
+# -- what a plan looks like -------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PlanStats:
+    """What an epoch's plan looks like; ``print(sampler.stats())`` to see it."""
+
+    num_samples: int
+    num_batches: int
+    num_steps: int
+    """Global steps: ``num_batches / num_replicas``, a partial last step counted as a whole one."""
+    padding_efficiency: float
+    """Real tokens / padded tokens over all batches (padded as the cost model pads)."""
+    cost_efficiency: float
+    """Sum of each sample's cost alone / sum of batch costs (1.0 = no padding cost)."""
+    mean_budget_use: float
+    """Mean batch cost / budget."""
+    max_budget_use: float
+    """Costliest batch / budget (above 1 only for a batch of one: ``oversize="alone"``, a lowered budget)."""
+    mean_batch_size: float
+    max_batch_size: int
+    num_skipped: int
+    num_dropped: int
+    steps_over_lower_bound: float = 0.0
+    """Steps / :func:`lower_bound_steps`: 1.0 would be no padding and every batch full."""
+    step_balance: float = 0.0
+    """Sum of batch costs / (ranks * sum over steps of the costliest batch): 1.0 = no rank waits."""
+
+
+def lower_bound_steps(
+    lengths: np.ndarray,
+    cost: CostModel,
+    budget: float,
+    num_replicas: int = 1,
+    *,
+    unit: np.ndarray | None = None,
+) -> float:
+    """Steps if nothing were padded and every batch filled the budget: sum cost(1, L_i) / budget / W.
+
+    ``unit`` is ``cost.sample_cost(lengths)``, where the caller has it already.
+
+    Example:
+        >>> lower_bound_steps(np.array([10, 30]), CostModel(), 20.0)
+        2.0
+    """
+    total = float((cost.sample_cost(lengths) if unit is None else unit).sum())
+    return total / budget / num_replicas
+
+
+def batch_stats(
+    plan: Plan,
+    lengths: np.ndarray,
+    cost: CostModel,
+    budget: float | np.ndarray,
+    *,
+    unit: np.ndarray | None = None,
+) -> PlanStats:
+    """Padding, budget use, batch sizes and step balance of ``plan``.
+
+    Args:
+        plan: the batches, ``plan.num_replicas`` to a global step.
+        lengths: every sample's real length (the plan holds indices into it).
+        cost: the cost model the budget is in.
+        budget: the budget, or the one each batch was planned under (an epoch
+            re-planned mid-way); the lower bound takes the largest.
+        unit: ``cost.sample_cost(lengths)``, where the caller has it already.
+
+    Example:
+        >>> plan = Plan(np.array([0, 1, 2]), np.array([0, 2, 3]), num_replicas=1)
+        >>> stats = batch_stats(plan, np.array([3, 4, 8]), CostModel(), 8.0)
+        >>> stats.num_batches, stats.padding_efficiency, stats.mean_budget_use
+        (2, 0.9375, 1.0)
+    """
+    unit = cost.sample_cost(lengths) if unit is None else unit
+    sizes = plan.batch_sizes()
+    world = plan.num_replicas
+    skipped, dropped = len(plan.skipped), len(plan.dropped)
+    if len(sizes) == 0:
+        return PlanStats(len(lengths), 0, 0, 0.0, 0.0, 0.0, 0.0, 0.0, 0, skipped, dropped)
+    longest = plan.batch_longest(lengths)
+    costs = sizes * cost.sample_cost(longest)
+    steps = -(-len(costs) // world)
+    padded = np.zeros(steps * world)  # a partial last step, filled with batches that cost nothing
+    padded[: len(costs)] = costs
+    per_step = padded.reshape(steps, world)
+    use = costs / budget
+    bound = lower_bound_steps(lengths, cost, float(np.max(budget)), world, unit=unit)
+    return PlanStats(
+        num_samples=len(lengths),
+        num_batches=len(sizes),
+        num_steps=steps,
+        padding_efficiency=float(lengths[plan.order].sum() / (sizes * cost.padded_length(longest)).sum()),
+        cost_efficiency=float(unit[plan.order].sum() / costs.sum()),
+        # One budget: divide the mean once (the benchmarks' figures were computed so).
+        mean_budget_use=float(costs.mean() / budget if np.ndim(budget) == 0 else use.mean()),
+        max_budget_use=float(use.max()),
+        mean_batch_size=float(sizes.mean()),
+        max_batch_size=int(sizes.max()),
+        num_skipped=skipped,
+        num_dropped=dropped,
+        steps_over_lower_bound=steps / bound if bound > 0 else math.inf,  # 0: underflow at a huge budget
+        step_balance=float(per_step.sum() / (world * per_step.max(axis=1).sum())),
+    )

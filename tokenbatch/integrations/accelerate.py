@@ -51,6 +51,7 @@ except ImportError as error:  # pragma: no cover - the extra is not installed
     ) from error
 
 from tokenbatch.cost import CostModel
+from tokenbatch.integrations import _upstream
 from tokenbatch.probe import MemoryModel
 
 if TYPE_CHECKING:
@@ -231,7 +232,7 @@ def finish(accelerator: Accelerator) -> None:
     """
     accelerator.wait_for_everyone()
     # Weak references only: a strong one here would keep alive what free_memory is meant to drop.
-    prepared = getattr(accelerator, "_models", [])
+    prepared = _upstream.accelerate_prepared_models(accelerator)
     wrapped = [weakref.ref(model) for model in prepared if isinstance(model, DistributedDataParallel)]
     del prepared
     accelerator.free_memory()

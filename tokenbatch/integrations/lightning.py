@@ -16,11 +16,21 @@ What Lightning (2.x) does with a batch sampler, and what this module does about 
   ``dataloader.batch_sampler.sampler``, never on the batch sampler itself, so every
   epoch would get the same plan: the callback calls ``set_epoch`` at the start of
   each epoch, before Lightning makes that epoch's DataLoader iterator.
-- Lightning's checkpoints do not carry a plain DataLoader's position: the
-  callback saves the training sampler's state in ``on_save_checkpoint`` and
+- Lightning sizes the training epoch once, from ``len(train_dataloader)`` at
+  the start of ``fit``, and ends every epoch when its count of the epoch's
+  batches reaches that size; token-budget epochs differ by a few batches (a
+  resumed one has only the batches left), so the callback sets the count to
+  each epoch's own plan.
+- Lightning's checkpoints do not carry a plain DataLoader's position (only a
+  "stateful" one's): resumed mid-epoch, it would start the epoch afresh and
+  end it after as many batches as were left, the first batches trained twice
+  and the last never. The callback saves the training sampler's state at
+  Lightning's count of batches trained in ``on_save_checkpoint`` and
   restores it in ``on_load_checkpoint``, so that ``trainer.fit(model,
-  ckpt_path=...)`` resumes mid-epoch at the next sample
-  (:mod:`tokenbatch.integrations._lightning_loop`).
+  ckpt_path=...)`` resumes mid-epoch at the next sample; the resumed epoch is
+  as long as the sampler's batches left, so the checkpoint's count of the
+  epoch's batches already trained is set back to 0 (``batch_idx`` counts
+  from 0 in a resumed epoch).
 - Lightning owns the training loop, so the DataLoader cannot be iterated afresh
   after a re-plan: :func:`oom_fallback` gives an :class:`~tokenbatch.OOMFallback`
   in split mode for manual optimisation, and refuses halve mode. The callback
@@ -40,9 +50,10 @@ Example::
 
 from __future__ import annotations
 
+import re
 import warnings
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
@@ -56,8 +67,7 @@ except ImportError as error:  # an optional extra: say how to get it
     ) from error
 
 from tokenbatch import OOMFallback, TokenBudgetBatchSampler
-from tokenbatch.integrations import _lightning_loop
-from tokenbatch.oom import Grow
+from tokenbatch.integrations import _upstream
 
 __all__ = ["TokenBudgetCallback", "oom_fallback"]
 
@@ -116,7 +126,7 @@ class TokenBudgetCallback(pl.Callback):
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         world = trainer.world_size
-        if world > 1 and _replaces_samplers(trainer):
+        if world > 1 and _upstream.lightning_replaces_samplers(trainer):
             raise ValueError(
                 f"use_distributed_sampler should be False for TokenBudgetBatchSampler on {world} "
                 f"processes, but got use_distributed_sampler=True (the Trainer's default): Lightning "
@@ -149,11 +159,14 @@ class TokenBudgetCallback(pl.Callback):
         epoch, steps = self._resumed
         offset = steps if epoch == trainer.current_epoch else 0
         training = list(_samplers_in(trainer.train_dataloader))
-        state = _lightning_loop.save(trainer, self.samplers, training, offset)
+        state = _save(trainer, self.samplers, training, offset)
         if state is not None:
-            checkpoint[_lightning_loop.KEY] = state
+            checkpoint[_KEY] = state
         if self.fallback is not None:
-            checkpoint[_FALLBACK_KEY] = self.fallback.state_dict()
+            fallback = self.fallback.state_dict()
+            if state is not None and self.fallback.sampler in training:
+                fallback["sampler"] = state["sampler"]  # one position: Lightning's count, which is the loop's
+            checkpoint[_FALLBACK_KEY] = fallback
         elif self._fallback_state is not None:  # loaded, and no fallback made yet: keep it for the next run
             checkpoint[_FALLBACK_KEY] = self._fallback_state
 
@@ -161,9 +174,9 @@ class TokenBudgetCallback(pl.Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
         # Lightning calls this after setup and before it asks for the training DataLoader.
-        self._resumed = _lightning_loop.load(checkpoint, self.samplers)
+        self._resumed = _load(checkpoint, self.samplers)
         if self._resumed[0] >= 0:  # the sampler is where training stopped: Lightning's warning is wrong
-            self._unmute = _lightning_loop.mute_not_resumable_warning()
+            self._unmute = _mute_not_resumable_warning()
         state = checkpoint.get(_FALLBACK_KEY)
         if state is not None:
             if self.fallback is not None:  # made before this fit: resume it now
@@ -196,18 +209,10 @@ class TokenBudgetCallback(pl.Callback):
         found = [s for s in _samplers_in(trainer.train_dataloader) if s not in self.samplers]
         for sampler in [*self.samplers, *found]:
             sampler.set_epoch(trainer.current_epoch)
-        _lightning_loop.size_epoch(trainer)
+        _size_epoch(trainer)
 
 
-def oom_fallback(
-    module: pl.LightningModule,
-    sampler: TokenBudgetBatchSampler,
-    *,
-    mode: Any = "split",
-    factor: float = 0.5,
-    min_tokens: float | None = None,
-    grow: bool | Grow | None = None,
-) -> OOMFallback:
+def oom_fallback(module: pl.LightningModule, sampler: TokenBudgetBatchSampler, **options: Any) -> OOMFallback:
     """An :class:`~tokenbatch.OOMFallback` for a ``LightningModule``'s manual optimisation.
 
     Make it once the trainer has set its strategy up (in ``on_train_start``, or at
@@ -228,11 +233,9 @@ def oom_fallback(
     Args:
         module: the ``LightningModule``, with ``self.automatic_optimization = False``.
         sampler: the training DataLoader's :class:`~tokenbatch.TokenBudgetBatchSampler`.
-        mode, factor, min_tokens: as for :class:`~tokenbatch.OOMFallback`; only
-            split mode works under Lightning.
-        grow: as for :class:`~tokenbatch.OOMFallback` (default on): after an OOM, try
-            larger micro-batch budgets again (a :class:`~tokenbatch.oom.Grow` sets how;
-            False: shrink only).
+        options: :class:`~tokenbatch.OOMFallback`'s keyword options, with its defaults
+            (``factor``, ``min_tokens``, ``grow``, ``weight``, ...); only ``mode="split"``
+            works under Lightning.
 
     The trainer's :class:`TokenBudgetCallback` is told of the fallback
     (:meth:`TokenBudgetCallback.attach`): checkpoints carry its state, and one
@@ -261,18 +264,15 @@ def oom_fallback(
             f"{trainer.world_size} processes, but got strategy={type(trainer.strategy).__name__}; FSDP "
             f"and DeepSpeed shard gradients themselves"
         )
-    fallback = OOMFallback(
-        sampler, model, accelerator=_ManualBackward(module), mode=mode, factor=factor, min_tokens=min_tokens,
-        grow=grow,
-    )  # fmt: skip
-    if fallback.mode != "split":
+    if options.get("mode", "split") != "split":
         raise ValueError(
-            f"mode should be 'split' under Lightning, but got mode={fallback.mode!r}: halve mode re-plans "
+            f"mode should be 'split' under Lightning, but got mode={options['mode']!r}: halve mode re-plans "
             f"the rest of the epoch, which needs the DataLoader iterated afresh (OOMFallback.iterate), "
             f"and Lightning owns the training loop (it would end the epoch early, on batches fetched from "
             f"the old plan). Use mode='split': it keeps every planned batch and runs one that does not "
             f"fit as micro-batches"
         )
+    fallback = OOMFallback(sampler, model, accelerator=_ManualBackward(module), **options)
     for callback in trainer.callbacks:  # type: ignore[attr-defined]
         if isinstance(callback, TokenBudgetCallback):
             callback.attach(fallback)
@@ -289,16 +289,6 @@ class _ManualBackward:
 
     def backward(self, loss: torch.Tensor) -> None:
         self.module.manual_backward(loss)
-
-
-def _replaces_samplers(trainer: pl.Trainer) -> bool:
-    """Whether Lightning will put a ``DistributedSampler`` into the DataLoaders.
-
-    Lightning keeps the flag only on a private connector; if a later release
-    moves it, this says False and Lightning's own error appears instead.
-    """
-    connector = getattr(trainer, "_accelerator_connector", None)
-    return bool(getattr(connector, "use_distributed_sampler", False))
 
 
 def _shard(sampler: TokenBudgetBatchSampler, trainer: pl.Trainer) -> None:
@@ -345,3 +335,121 @@ def _samplers_in(loaders: Any) -> Iterator[TokenBudgetBatchSampler]:
             source = getattr(source, "batch_sampler", None)
         if isinstance(source, TokenBudgetBatchSampler):
             yield source
+
+
+# -- how Lightning's fit loop counts a token-budget epoch, and where a checkpoint is ----------
+
+_KEY = "tokenbatch"
+_PROGRESS = ("epoch_loop.batch_progress", "current")
+_COUNTERS = ("ready", "started", "processed", "completed")
+# Lightning 2.x's warning for a mid-epoch resume with a DataLoader it cannot checkpoint itself.
+_NOT_RESUMABLE = "You're resuming from a checkpoint that ended before the epoch ended"
+
+
+def _trained_batches(trainer: Any) -> int:
+    """Batches of the current epoch trained so far, as Lightning counts them (a resumed epoch from 0)."""
+    return int(trainer.fit_loop.epoch_loop.batch_progress.current.processed)
+
+
+def _save(
+    trainer: Any,
+    samplers: list[TokenBudgetBatchSampler],
+    training: list[TokenBudgetBatchSampler],
+    offset: int,
+) -> dict[str, Any] | None:
+    """What to put in a checkpoint: the training sampler's state at the batches trained (None: no sampler).
+
+    ``samplers``: the callback's; ``training``: those feeding the training
+    DataLoader; ``offset``: steps of the epoch's plan trained before Lightning's
+    count of this epoch started (a resumed epoch's).
+    """
+    if not training:
+        return None
+    if len(training) > 1:
+        raise ValueError(
+            f"training DataLoaders should have one TokenBudgetBatchSampler to checkpoint its position, "
+            f"but got {len(training)}: Lightning cycles several training DataLoaders, so no one count of "
+            f"trained batches fits them all"
+        )
+    (sampler,) = training
+    lightning = _trained_batches(trainer)
+    steps = offset + lightning
+    return {
+        "index": samplers.index(sampler) if sampler in samplers else None,
+        "sampler": sampler.state_dict(steps_done=steps),
+        "lightning_batches": lightning,
+        "mid_epoch": 0 < steps < sampler.plan.num_steps,
+    }
+
+
+def _load(checkpoint: dict[str, Any], samplers: list[TokenBudgetBatchSampler]) -> tuple[int, int]:
+    """Restore the saved training sampler; returns ``(epoch, steps of it trained)``, ``(-1, 0)``: none.
+
+    Raises:
+        ValueError: the checkpoint is mid-epoch and its sampler was not given to the callback.
+    """
+    saved = checkpoint.get(_KEY)
+    if saved is None:  # saved without TokenBudgetCallback, or without a token-budget training sampler
+        return -1, 0
+    index, state = saved["index"], saved["sampler"]
+    if index is None or not 0 <= index < len(samplers):
+        if not saved["mid_epoch"]:  # Lightning starts the next epoch, or this one, afresh
+            return -1, 0
+        raise ValueError(
+            "TokenBudgetCallback should be given the training sampler to resume mid-epoch, but got "
+            f"TokenBudgetCallback with {len(samplers)} sampler(s) and a checkpoint from step "
+            f"{state['steps_done']} of epoch {state['epoch']}: Lightning sizes the epoch before it calls "
+            "train_dataloader(), so a sampler made there cannot resume in time. Make the sampler before "
+            "trainer.fit and pass it: TokenBudgetCallback(sampler)"
+        )
+    sampler = samplers[index]
+    sampler.load_state_dict(state)
+    if len(sampler) == 0:  # saved at the epoch's end: Lightning goes on with the next epoch
+        sampler.set_epoch(sampler.epoch + 1)
+        return -1, 0
+    progress = checkpoint["loops"]["fit_loop"]
+    for key in _PROGRESS:
+        progress = progress[key]
+    for counter in _COUNTERS:  # the resumed epoch is as long as the sampler's batches left
+        progress[counter] -= saved["lightning_batches"]
+    return sampler.epoch, sampler.start_step
+
+
+def _size_epoch(trainer: Any) -> None:
+    """Make Lightning's count of the epoch's training batches the training DataLoader's length now."""
+    loop = trainer.fit_loop
+    combined = _upstream.lightning_combined_loader(loop)
+    flattened = getattr(combined, "flattened", None)
+    if combined is None or not isinstance(flattened, list) or len(flattened) != 1:
+        return  # several loaders (cycled): Lightning's counts stand
+    if trainer.limit_train_batches != 1.0:
+        return  # the user's own limit
+    if not hasattr(loop, "max_batches") or loop.max_batches == float("inf"):
+        return
+    length = len(flattened[0])
+    combined.limits = [length]  # what the data fetcher reads when the epoch's iterator is made
+    loop.max_batches = length
+    interval = trainer.val_check_interval
+    if isinstance(interval, float) and trainer.val_check_batch not in (None, float("inf")):
+        trainer.val_check_batch = max(1, int(length * interval))  # as Lightning sets it up
+
+
+def _mute_not_resumable_warning() -> Callable[[], None]:
+    """Mute Lightning's "your dataloader is not resumable" warning; returns what unmutes it.
+
+    Lightning warns at the start of a fit resumed mid-epoch when the training
+    DataLoader is not "stateful". A plain DataLoader over a token-budget sampler
+    is not, but the sampler's position came back from the checkpoint, so the
+    resumed epoch has exactly the samples not yet trained and the warning would
+    be wrong. Muted from the checkpoint's load to the first training batch only.
+    """
+    warnings.filterwarnings("ignore", message=re.escape(_NOT_RESUMABLE), category=UserWarning)
+    entry = warnings.filters[0]
+
+    def unmute() -> None:
+        filters = cast(list[Any], warnings.filters)  # a list in CPython; typeshed says Sequence
+        if entry in filters:
+            filters.remove(entry)  # this entry only: filters the user set meanwhile stay
+            _upstream.warnings_changed()  # as warnings.filterwarnings does after a change
+
+    return unmute

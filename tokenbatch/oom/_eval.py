@@ -33,11 +33,9 @@ from torch import nn
 from tokenbatch import _checks, distributed
 from tokenbatch.cost import CostModel
 from tokenbatch.oom._ddp import DDPSync
-from tokenbatch.oom._detect import free_memory, is_oom
-from tokenbatch.oom._events import OOMEvent, SampleTooLargeError
-from tokenbatch.oom._outcome import Outcome, next_event, raise_on_every_rank, share
-from tokenbatch.oom._split import BatchShape, Piece, plan_micro_batches, take_rows
-from tokenbatch.oom._strategies import Split
+from tokenbatch.oom._errors import OOMEvent, SampleTooLargeError, free_memory, is_oom
+from tokenbatch.oom._split import BatchShape, Piece, inspect_batch, plan_micro_batches, take_rows
+from tokenbatch.oom._step import Outcome, next_event, raise_on_every_rank, share
 
 logger = logging.getLogger("tokenbatch.oom")
 
@@ -63,7 +61,7 @@ class EvalGuard:
         min_tokens: the floor; out-of-memory at it raises :class:`~tokenbatch.SampleTooLargeError`.
         weight: the micro-batches' shares, for scalar results: ``"samples"``,
             ``"tokens"`` (real tokens), or a function of a micro-batch
-            returning its count (as for :class:`~tokenbatch.oom.Split`).
+            returning its count (as for :class:`~tokenbatch.OOMFallback`).
         pad_token_id: read row lengths from ``input_ids`` when batches have no ``attention_mask``.
 
     ``max_tokens`` is the evaluation budget (None until the first
@@ -105,7 +103,9 @@ class EvalGuard:
         self.cost = CostModel() if cost is None else cost
         self.factor = _checks.shrink_factor("factor", factor)
         self.min_tokens = None if min_tokens is None else _checks.positive_number("min_tokens", min_tokens)
-        self._split = Split(weight=weight, pad_token_id=pad_token_id, trim_padding=False)  # checks weight
+        if not (weight in ("samples", "tokens") or callable(weight)):
+            raise ValueError(f"weight should be 'samples', 'tokens' or a function, but got weight={weight!r}")
+        self.weight, self.pad_token_id = weight, pad_token_id
         self._ddp = None if model is None else DDPSync(model)
         self.max_tokens: float | None = None
         self.events: list[OOMEvent] = []
@@ -171,7 +171,7 @@ class EvalGuard:
         try:
             pieces = None
             if self.max_tokens is not None:
-                shape = shape or self._split.read(batch)
+                shape = shape or inspect_batch(batch, self.pad_token_id)
                 if shape.size * self.cost.sample_cost(shape.width) > self.max_tokens:
                     pieces = self._pieces(batch, shape, self.max_tokens)
             return Outcome(), None, self._run(batch, pieces, fn), shape
@@ -181,7 +181,7 @@ class EvalGuard:
             logger.debug("rank %d: %s", distributed.rank(), str(exc).splitlines()[0])
         # Out of the except block the traceback, and the activations its frames hold, are gone.
         try:
-            shape = shape or self._split.read(batch)
+            shape = shape or inspect_batch(batch, self.pad_token_id)
             rows = np.arange(shape.size) if self._rows is None else self._rows
             longest = int(shape.lengths[rows].max())
             cost = float(len(rows) * self.cost.sample_cost(shape.width))
@@ -195,7 +195,7 @@ class EvalGuard:
         full_width = dataclasses.replace(shape, lengths=np.full(shape.size, shape.width, np.int64))
         groups = plan_micro_batches(full_width, self.cost, budget)
         parts = [take_rows(batch, shape, rows, None) for rows in groups]
-        weight = self._split.weight
+        weight = self.weight
         if callable(weight):
             shares = [float(weight(part)) for part in parts]
         elif weight == "tokens":

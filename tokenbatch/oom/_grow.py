@@ -17,19 +17,36 @@ goes back to ``proven`` rather than below it. It stops once
 tries, and never tries at or above a cost that failed, unless told that
 memory changed (:meth:`BudgetSearch.memory_changed`).
 
-Everything here is pure and is fed only what every rank knows alike (the
-shared outcomes, step counts, the plan's costs), so every rank takes the
-same decision at the same step without a collective.
+:class:`Growth` is the guard's side: it feeds the search only what every
+rank knows alike (the shared outcomes, step counts, the sampler's global
+plan), so every rank takes the same decision at the same step without a
+collective. On CUDA it also pairs each trained step's peak memory with the
+cost this rank ran, fits a line through the pairs (bytes per cost unit) and,
+every ``check_every`` steps, proposes the cost that reaches
+``memory_fraction`` of the device, agreed by the ranks (the smallest); where
+there is nothing to read (CPU) no proposal is made.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+import logging
+import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from tokenbatch import _checks
+import numpy as np
+import torch
+from torch import nn
+
+from tokenbatch import _checks, distributed
+from tokenbatch.oom._errors import OOMEvent
+from tokenbatch.oom._split import BatchShape, plan_micro_batches
+from tokenbatch.oom._step import Outcome
+from tokenbatch.sampler import TokenBudgetBatchSampler
+
+logger = logging.getLogger("tokenbatch.oom")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -88,23 +105,12 @@ class Grow:
             _checks.positive_number("capacity", self.capacity)
 
 
-def as_grow(grow: bool | Grow | None, *, stream: bool = False) -> Grow | None:
-    """The growth settings for ``OOMFallback(grow=...)``: None for ``False`` (plain halving).
-
-    ``None`` (the default) is growth for a sampler and none for a stream: a stream has no
-    global plan, so no step can prove a larger budget on every rank.
-    """
-    if grow is None:
-        return None if stream else Grow()
+def as_grow(grow: bool | Grow) -> Grow | None:
+    """The growth settings for ``grow=`` (True, False or a :class:`Grow`): None for no growth."""
     if not isinstance(grow, Grow | bool):
         raise TypeError(
             f"grow should be True, False or a tokenbatch.oom.Grow, but got grow={grow!r}; "
-            f"pass grow=False for the plain halving of earlier versions"
-        )
-    if stream and grow is not False:
-        raise ValueError(
-            f"grow should be False (or left out) with a TokenBudgetStream, but got grow={grow!r}: "
-            f"growth proves a budget on the sampler's global plan, which a stream does not have"
+            f"pass grow=False to shrink only"
         )
     if isinstance(grow, Grow):
         return grow
@@ -287,3 +293,210 @@ class BudgetSearch:
             )
         self.ceiling, self.proven, self.failed, self.failures = ceiling, proven, failed, failures
         self.trying, self.before, self.reason, self.calm = trying, before, reason, 0
+
+
+# -- the guard's side: what it feeds the search, and when ----------------------------------
+
+# Costs must spread this much before a line through them says anything about larger ones.
+_MIN_SPREAD = 1.2
+_MIN_POINTS = 4
+_KEEP = 64  # the latest pairs: an old one may predate a change (a new optimizer state)
+
+
+def peak_budget(costs: Sequence[float], peaks: Sequence[float], target_bytes: float) -> float | None:
+    """The cost whose peak a line through ``(cost, peak bytes)`` pairs puts at ``target_bytes``, or None.
+
+    None while the pairs cannot tell (too few, too alike) or the line does not rise.
+
+    Example (forward + backward peaks of a 2-layer BERT, hidden size 64, measured on CPU
+    with the torch profiler, as ``tokenbatch.probe`` does: padded tokens, bytes):
+        >>> costs = [256, 512, 512, 1024, 1024, 2048, 2048]
+        >>> peaks = [4384780, 6887692, 7674124, 11893516, 13487724, 21933804, 25145068]
+        >>> round(peak_budget(costs, peaks, 100e6))  # the padded tokens a 100 MB peak allows
+        9238
+    """
+    if len(costs) < _MIN_POINTS or max(costs) < _MIN_SPREAD * min(costs):
+        return None
+    slope, constant = np.polyfit(np.asarray(costs, float), np.asarray(peaks, float), 1)
+    if slope <= 0:
+        return None
+    budget = (target_bytes - float(constant)) / float(slope)
+    return budget if budget > 0 else None
+
+
+def cuda_reader(model: nn.Module) -> tuple[Callable[[], float | None] | None, float | None]:
+    """The peak reader and capacity for ``model``'s device: CUDA's counters, or ``(None, None)`` elsewhere."""
+    param = next(model.parameters(), None)
+    if param is None or param.device.type != "cuda" or not torch.cuda.is_available():
+        return None, None
+    device = param.device
+
+    def read() -> float | None:
+        peak = float(torch.cuda.max_memory_allocated(device))
+        torch.cuda.reset_peak_memory_stats(device)
+        return peak
+
+    return read, float(torch.cuda.get_device_properties(device).total_memory)
+
+
+class Growth:
+    """One guard's growth on a sampler's plan: the search, the step peaks, the growth events.
+
+    ``keeps_step``: split mode (a try is proven by a micro-batch larger than
+    the budget before it); False: halve mode (a re-plan puts the try's
+    costliest step first). ``read(batch)`` gives a batch's rows and lengths.
+    """
+
+    def __init__(
+        self,
+        grow: Grow,
+        *,
+        sampler: TokenBudgetBatchSampler,
+        model: nn.Module,
+        mode: str,
+        keeps_step: bool,
+        read: Callable[[Any], BatchShape],
+    ) -> None:
+        self.sampler, self.mode, self.keeps_step, self.read = sampler, mode, keeps_step, read
+        self.search = BudgetSearch(grow, ceiling=sampler.max_tokens, near=not keeps_step)
+        self.events: list[GrowEvent] = []
+        self._peak: Callable[[], float | None] | None = None
+        self._capacity: float | None = None
+        if grow.memory_fraction is not None:
+            self._peak, self._capacity = (grow.peak, grow.capacity) if grow.peak else cuda_reader(model)
+            if self._peak is not None and self._capacity is None:
+                raise ValueError(
+                    "Grow(peak=...) should come with capacity=... (the bytes memory_fraction is a "
+                    "fraction of), but got capacity=None"
+                )
+        self._costs: list[float] = []
+        self._peaks: list[float] = []
+        self._trained = 0
+
+    def step_cost(self, step: int, budget: float) -> float:
+        """What step ``step`` showed to fit on every rank: the cheapest of its batches in the global plan.
+
+        A batch's cost is its own, or, where split mode cut it to ``budget``, its costliest
+        micro-batch (cut as the guard cuts it, from the plan's lengths: greedily while a try
+        is in force, see :meth:`filling`). The cheapest over
+        the ranks, as ranks may differ in memory: each of them ran at least that much.
+        """
+        plan, lengths, cost = self.sampler.plan, self.sampler.lengths, self.sampler.cost
+        split = self.keeps_step and budget < self.sampler.max_tokens
+        fill = self.filling()
+        shown = []
+        for index in range(plan.step_start(step), plan.step_start(step + 1)):
+            rows = lengths[plan.batch(index)]
+            shape = BatchShape(len(rows), int(rows.max()), rows, right_padded=True)
+            pieces = (
+                plan_micro_batches(shape, cost, budget, fill=fill)
+                if split and shape.cost(cost) > budget
+                else [None]
+            )
+            shown.append(max(shape.cost(cost, piece) for piece in pieces))
+        return min(shown)
+
+    def filling(self) -> bool:
+        """Split mode, while a try is in force: cut micro-batches greedily, the first one filling the try.
+
+        Cut evenly, a batch splits into pieces no larger under the tried budget than under
+        the one before, so no step would prove the try. The search's state is the same on
+        every rank, and so is this cut (what :meth:`step_cost` reads from the plan).
+        """
+        return self.search.trying is not None and self.keeps_step
+
+    def failed(self, event: OOMEvent, outcomes: Sequence[Outcome]) -> OOMEvent:
+        """The event of an OOM, with the budget put back (and ``growth`` set) where a try failed."""
+        if self._peak is not None:
+            self._peak()  # the failed attempt's peak is no trained step's: reset it
+        failed_cost = max(o.cost for o in outcomes if o.status == "oom")
+        tried = self.search.trying is not None
+        new = self.search.failed_try(
+            budget=event.old_max_tokens, failed_cost=failed_cost, halved=event.new_max_tokens
+        )
+        return event.replace(new_max_tokens=new, growth=tried)
+
+    def trained(self, *, step: int, budget: float, batch: Any) -> GrowEvent | None:
+        """Step ``step`` trained under ``budget``: the growth event if it proved a try, else None."""
+        self._trained += 1
+        if self._peak is not None:
+            # The peak since the last reading: the previous optimizer step and this forward and
+            # backward, paired with this rank's batch cost where the batch ran whole.
+            peak = self._peak()
+            local = self.read(batch).cost(self.sampler.cost) if peak is not None else 0.0
+            usable = peak is not None and peak > 0 and local > 0 and math.isfinite(peak)
+            if usable and (local <= budget or not self.keeps_step):
+                self._costs.append(float(local))
+                self._peaks.append(float(peak))  # type: ignore[arg-type]
+                del self._costs[:-_KEEP], self._peaks[:-_KEEP]
+        reason = self.search.reason
+        old = self.search.trained(budget=budget, step_cost=self.step_cost(step, budget))
+        if old is None:
+            return None
+        event = GrowEvent(self.sampler.epoch, step, self.mode, old, budget, reason)
+        self.events.append(event)
+        if distributed.rank() == 0:
+            logger.info("%s", event)
+        return event
+
+    def try_larger(
+        self, budget: float, steps_done: int, put: Callable[..., None], *, can_replan: bool
+    ) -> bool:
+        """At a step boundary, ``put`` a larger budget in force where the search proposes one.
+
+        ``can_replan``: halve mode has a pass that restarts after a re-plan
+        (``iterate``, the Trainer's). Returns True where halve mode re-planned.
+        """
+        target = self._next_budget(budget)
+        if target is None:
+            return False
+        halve = not self.keeps_step
+        # Halve mode re-plans after a step that trained, and an epoch's last step leaves nothing to re-plan.
+        if halve and (not can_replan or steps_done >= self.sampler.plan.num_steps):
+            self.search.cancel()
+            return False
+        try:
+            put(target, steps_done=steps_done)
+        except ValueError:  # too few samples left for every rank under the larger budget: stay
+            self.search.cancel()
+            return False
+        if distributed.rank() == 0:
+            logger.debug("trying max_tokens=%g (from %g)", target, budget)
+        return halve
+
+    def _next_budget(self, budget: float) -> float | None:
+        """The larger budget to try now, or None; the same on every rank."""
+        target, reason = self.search.next_try(budget), "bracket"
+        if target is None and self._peak is not None and self._trained % self.search.grow.check_every == 0:
+            target, reason = self._proposal(budget), "memory"
+        if target is not None:
+            self.search.start(target, before=budget, reason=reason)
+        return target
+
+    def _proposal(self, budget: float) -> float | None:
+        fraction = self.search.grow.memory_fraction
+        assert fraction is not None and self._capacity is not None
+        mine = peak_budget(self._costs, self._peaks, fraction * self._capacity)
+        # Every rank calls this at the same trained-step count: the smallest proposal is everyone's.
+        local = math.inf if mine is None else mine
+        agreed = -distributed.all_reduce_max([-local], device=distributed.collective_device())[0]
+        return None if not math.isfinite(agreed) else self.search.memory_try(agreed, budget)
+
+    def memory_changed(self) -> None:
+        self.search.memory_changed()
+
+    def state(self) -> dict[str, Any]:
+        return {"search": self.search.state(), "events": [e.as_dict() for e in self.events]}
+
+    def load(self, state: Any) -> None:
+        """Resume the bracket and growth events from :meth:`state` (None: nothing), checked first."""
+        if state is None:
+            return
+        if not isinstance(state, dict) or set(state) != {"search", "events"}:
+            raise ValueError(f"state['growth'] should hold 'search' and 'events', but got {state!r:.200}")
+        saved = state["events"]
+        if not isinstance(saved, list | tuple):
+            raise TypeError(f"state['growth']['events'] should be a list, but got {saved!r:.100}")
+        events = [GrowEvent.from_dict(e, name=f"state['growth']['events'][{i}]") for i, e in enumerate(saved)]
+        self.search.load(state["search"], name="state['growth']['search']")
+        self.events = events

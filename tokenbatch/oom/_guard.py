@@ -1,33 +1,61 @@
-"""OOMFallback: the guard around a training step's forward and backward, and its step protocol."""
+"""OOMFallback: the guard around a training step, and the training loop's place in the epoch.
+
+The guard is the loop's side of tokenbatch: it counts the steps trained in
+the sampler's epoch (``steps_done``), iterates the DataLoader
+(:meth:`OOMFallback.iterate`) and starts it afresh after a re-plan, and its
+``state_dict()`` is the one checkpoint of a guarded run: the sampler's state
+at the steps trained, the budget in force, the events and the growth
+bracket. The sampler stays a plan that the guard moves through its public
+methods only (``replan``, ``state_dict(steps_done=)``, ``load_state_dict``).
+
+What happens to a step that runs out of memory is its ``mode``:
+
+- ``"split"``: the step is kept; its batch runs again as micro-batches under
+  a smaller budget, gradients accumulated (on a stream too);
+- ``"halve"``: on a sampler, the step is dropped, the sampler's budget
+  shrinks and the rest of the epoch is re-planned, failed batch included
+  (accelerate's ``find_executable_batch_size``, without the restart). A
+  stream has no plan: it forms its next batches under the new budget, and
+  the step, like every batch formed before (read ahead), runs in
+  micro-batches, so every batch a DataLoader gives is trained once::
+
+      formed:   b0 b1 b2 | b3 (read ahead)     | b4 b5 ... (formed under the new budget)
+      trained:  b0 b1 b2'(micro, after OOM)  b3'(micro)  b4 b5 ...
+"""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 import torch
 from torch import nn
 
 from tokenbatch import _checks, distributed
-from tokenbatch.oom._accumulate import KeptGradients
-from tokenbatch.oom._attempt import ForwardBackward, StepWork
-from tokenbatch.oom._climb import Growth
-from tokenbatch.oom._detect import free_memory
+from tokenbatch.oom._errors import OOMEvent, free_memory
 from tokenbatch.oom._eval import EvalGuard
-from tokenbatch.oom._events import OOMEvent
-from tokenbatch.oom._grow import Grow, GrowEvent, as_grow
+from tokenbatch.oom._grow import Grow, GrowEvent, Growth, as_grow
 from tokenbatch.oom._optimizer import guarded_step
-from tokenbatch.oom._outcome import Outcome, next_event, raise_on_every_rank, share
-from tokenbatch.oom._saved import guard_state, read_guard_state
-from tokenbatch.oom._strategies import Strategy, as_strategy, moved_option
-from tokenbatch.oom._stream import with_cursor
+from tokenbatch.oom._step import (
+    ForwardBackward,
+    KeptGradients,
+    Outcome,
+    StepWork,
+    next_event,
+    raise_on_every_rank,
+    share,
+)
 from tokenbatch.sampler import TokenBudgetBatchSampler
 from tokenbatch.stream import TokenBudgetStream
 
 logger = logging.getLogger("tokenbatch.oom")
 
 T = TypeVar("T")
+MODES = ("split", "halve")
+_STATE_VERSION = 3  # 3: the sampler's (or stream's) state is part of the guard's
+_STATE_KEYS = {"version", "mode", "max_tokens", "events", "growth", "sampler"}
 
 
 class OOMFallback:
@@ -35,7 +63,7 @@ class OOMFallback:
 
     Args:
         sampler: the :class:`~tokenbatch.TokenBudgetBatchSampler` feeding the training DataLoader,
-            or the :class:`~tokenbatch.TokenBudgetStream` it reads (see :mod:`tokenbatch.oom._stream`).
+            or the :class:`~tokenbatch.TokenBudgetStream` it reads.
         model: the model as returned by ``accelerator.prepare`` (DDP-wrapped on
             several processes), or a plain ``nn.Module``.
         accelerator: optional; its ``backward`` is used (loss scaling, gradient
@@ -43,35 +71,38 @@ class OOMFallback:
         mode: ``"split"`` keeps each planned batch and optimizer step and runs an
             over-budget batch as micro-batches that fit a smaller budget, with
             gradients accumulated; ``"halve"`` shrinks the sampler's budget,
-            re-plans the rest of the epoch and skips the failed step. A
-            :class:`~tokenbatch.oom.Split` (to set its options) or
-            :class:`~tokenbatch.oom.Halve` may be passed instead of the name.
+            re-plans the rest of the epoch and skips the failed step (iterate
+            with :meth:`iterate`, which starts the DataLoader afresh).
         factor: the budget multiplier per out-of-memory event, in (0, 1). The
             new budget is ``factor * min(budget, cost of the largest batch that failed)``.
         min_tokens: the floor; an out-of-memory error at the floor raises
-            :class:`SampleTooLargeError` instead of trying again.
+            :class:`~tokenbatch.SampleTooLargeError` instead of trying again.
+        grow: after an OOM, try budgets between the largest that trained and the smallest that
+            failed, each guarded like any step (a :class:`~tokenbatch.oom.Grow` sets how; False:
+            shrink only). A failed try is in ``events`` (``growth=True``), each one that trained
+            in ``growth_events``. A stream has no plan to prove a budget on: it only shrinks.
+        weight: how micro-batch losses add up to the batch's: ``"samples"`` (a
+            loss averaged over samples), ``"tokens"`` (over real tokens), or a
+            function of a micro-batch returning its count.
+        pad_token_id: read row lengths from ``input_ids`` where batches have no ``attention_mask``.
         overlap: with DDP, all-reduce gradients during backward in an order that a failed rank
-            still completes (:mod:`tokenbatch.oom._overlap`); False: average them after backward.
-        grow: after an OOM, try budgets between the largest that trained and the smallest that failed,
-            each guarded like any step (:class:`~tokenbatch.oom.Grow` sets how; False: shrink only).
-            A failed try is in ``events`` (``growth=True``), each one that trained in ``growth_events``.
-            Default: on with a sampler, off with a stream (which has no plan to prove a budget on).
+            still completes (:mod:`tokenbatch.oom._ddp`); False: average them after backward.
 
     Works with a plain module and with DDP (as ``accelerator.prepare`` wraps
     it); not with FSDP or DeepSpeed, which shard gradients themselves. The
-    guard owns gradient synchronisation (see :mod:`tokenbatch.oom`): it runs
-    DDP under ``no_sync()``, all-reduces gradients itself (``overlap``) and keeps
-    them once every rank has said its step succeeded. Gradient accumulation (``accelerator.accumulate``,
-    or several ``backward`` calls per optimizer step) works in both modes: a
-    step runs into fresh gradients and adds the group's earlier ones on
-    success, so a failed or dropped step loses only its own (this costs one
-    gradient-sized buffer while earlier gradients exist). Split mode matches
-    an unsplit run up to floating point when each sample's loss does not
-    depend on how the batch is cut (see :class:`~tokenbatch.oom.Split`); with
-    dropout it does not, as micro-batches draw other masks.
+    guard owns gradient synchronisation: it runs DDP under ``no_sync()``,
+    all-reduces gradients itself (``overlap``) and keeps them once every rank
+    has said its step succeeded, so no ``find_unused_parameters`` is needed.
+    Gradient accumulation (``accelerator.accumulate``, or several ``backward``
+    calls per optimizer step) works in both modes: a failed or dropped step
+    loses only its own gradients. Split mode matches an unsplit run up to
+    floating point when each sample's loss does not depend on how the batch
+    is cut (no dropout, no BatchNorm in training mode, padding masked out,
+    ``weight`` saying what the loss averages over).
 
-    To start from the budget an earlier run ended with, and remember each
-    new one, see :func:`tokenbatch.remember_budget`.
+    Checkpoint the guard, not the sampler: ``state_dict()`` holds the
+    sampler's state at the steps trained (``accelerator.register_for_checkpointing(fallback)``),
+    and :meth:`load_state_dict` resumes both.
 
     The training loop keeps its usual shape::
 
@@ -80,10 +111,6 @@ class OOMFallback:
             if loss is not None:  # None: the step was dropped (halve mode)
                 fallback.step(optimizer)  # optimizer.step(), guarded too
                 optimizer.zero_grad()
-
-    ``fallback.step(optimizer)``: on out-of-memory in ``optimizer.step()`` (Adam's first step allocates
-    its states), free memory and try once more if the failed step changed nothing, else raise
-    :class:`~tokenbatch.oom.OptimizerOOMError` on every rank.
 
     Example:
         >>> import torch
@@ -109,85 +136,93 @@ class OOMFallback:
         model: nn.Module,
         *,
         accelerator: Any = None,
-        mode: str | Strategy = "split",
+        mode: str = "split",
         factor: float = 0.5,
         min_tokens: float | None = None,
+        grow: bool | Grow = True,
+        weight: str | Callable[[Any], float] = "samples",
+        pad_token_id: int | None = None,
         overlap: bool = True,
-        grow: bool | Grow | None = None,
-        **moved: Any,
     ) -> None:
-        if moved:
-            raise moved_option(moved)
-        # A stream's cursor, and in halve mode its own strategy: see oom/_stream.py (it checks the type).
-        self._strategy, self._cursor = with_cursor(sampler, as_strategy(mode))
+        if not isinstance(sampler, TokenBudgetBatchSampler | TokenBudgetStream):
+            raise TypeError(
+                f"sampler should be the tokenbatch.TokenBudgetBatchSampler feeding the DataLoader (or the "
+                f"TokenBudgetStream it reads), but got sampler of type {type(sampler).__name__}"
+            )
         if not isinstance(model, nn.Module):
             raise TypeError(
                 f"model should be a torch.nn.Module, but got model of type {type(model).__name__}"
             )
+        self.mode = _checks.one_of("mode", mode, MODES)
+        _check_weight(weight)
+        if getattr(accelerator, "split_batches", False) is True:
+            raise ValueError(
+                "split_batches should be False for TokenBudgetBatchSampler, but got split_batches=True: "
+                "there is no fixed batch to split between the processes. Leave it at its default "
+                "(Accelerator(dataloader_config=DataLoaderConfiguration(split_batches=False))): the "
+                "sampler's global plan already gives each process its own batch of every step"
+            )
         self.sampler, self.model, self.accelerator = sampler, model, accelerator
         self.factor = _checks.shrink_factor("factor", factor)
         self.min_tokens = None if min_tokens is None else _checks.positive_number("min_tokens", min_tokens)
+        self.weight, self.pad_token_id = weight, pad_token_id
         self.events: list[OOMEvent] = []
-        self.grow = as_grow(grow, stream=isinstance(sampler, TokenBudgetStream))
-        self._growth = Growth(self.grow, sampler=sampler, model=model, strategy=self._strategy)
-        self._passes = ForwardBackward(model, accelerator, cost=sampler.cost, strategy=self._strategy)
-        self._passes.overlap, self._passes.fill = bool(overlap), self._growth.filling  # see _attempt.py
-        self._micro_tokens = sampler.max_tokens  # split mode: the budget one forward/backward must fit
+        self._plan = isinstance(sampler, TokenBudgetBatchSampler)
+        self._drops_step = self.mode == "halve" and self._plan  # halve on a stream keeps the step
+        self._passes = ForwardBackward(
+            model, accelerator, cost=sampler.cost, weight=weight, pad_token_id=pad_token_id, overlap=overlap
+        )
+        settings = as_grow(grow)
+        self._growth: Growth | None = None
+        if settings is not None and isinstance(sampler, TokenBudgetBatchSampler):
+            self._growth = Growth(
+                settings,
+                sampler=sampler,
+                model=model,
+                mode=self.mode,
+                keeps_step=not self._drops_step,
+                read=self._passes.read,
+            )
+        self._micro_tokens = sampler.max_tokens  # the budget one forward/backward must fit (keeping the step)
         self._listeners: list[Callable[[OOMFallback], None]] = []
         self._unreported = False  # events recorded since the listeners last ran
-        weight = getattr(self._strategy, "weight", "samples")
-        self.eval_guard = EvalGuard(model, cost=sampler.cost, factor=self.factor, min_tokens=self.min_tokens,
-                                    weight=weight, pad_token_id=self._strategy.pad_token_id)  # fmt: skip
+        # Where the loop is: the steps of the sampler's (or stream's) epoch trained, and the step being
+        # trained while iterate() runs; the pass that restarts after a re-plan, while one runs.
+        self._epoch, self._steps_done = sampler.epoch, self._first_step()
+        self._step: int | None = None
+        self._batches: _Batches[Any] | None = None
+        self.eval_guard = EvalGuard(
+            model,
+            cost=sampler.cost,
+            factor=self.factor,
+            min_tokens=self.min_tokens,
+            weight=weight,
+            pad_token_id=pad_token_id,
+        )
 
-    # -- what it exposes -----------------------------------------------------------
-
-    @property
-    def mode(self) -> str:
-        """``"split"`` or ``"halve"``."""
-        return self._strategy.name
+    # -- what it exposes ---------------------------------------------------------------
 
     @property
     def max_tokens(self) -> float:
         """The budget in force: the sampler's in halve mode, the micro-batch budget in split mode."""
-        return self._micro_tokens if self._strategy.keeps_step else self.sampler.max_tokens
+        return self.sampler.max_tokens if self._drops_step else self._micro_tokens
 
     @property
     def steps_done(self) -> int:
-        """Steps trained in this epoch: what to pass to ``sampler.state_dict(steps_done=...)``."""
-        return self._cursor.steps_done
-
-    @property
-    def restart_pending(self) -> bool:
-        """After a halve-mode re-plan: the DataLoader must be iterated afresh (``iterate`` does it)."""
-        return self._cursor.restart_pending
+        """Steps trained in the sampler's (or stream's) current epoch, as this loop counts them."""
+        if self._epoch != self.sampler.epoch:  # set_epoch moved on: a new epoch, from its first step
+            return self._first_step()
+        return self._steps_done
 
     @property
     def growth_events(self) -> list[GrowEvent]:
         """Each larger budget that trained a step (``events`` holds the out-of-memory ones)."""
-        return self._growth.events
+        return [] if self._growth is None else self._growth.events
 
     def memory_changed(self) -> None:
         """Memory was freed (or the model changed): growth may try failed budgets again. On every rank."""
-        self._growth.memory_changed()
-
-    def state_dict(self) -> dict[str, Any]:
-        """The budget, events and growth bracket, to save beside the sampler's ``state_dict``."""
-        return guard_state(self.mode, self.max_tokens, self.events, self._growth.state())
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume the micro-batch budget (split mode) and the event history from :meth:`state_dict`.
-
-        Every field is checked before anything changes: on an error the fallback is as it was.
-
-        Raises:
-            TypeError, ValueError: the state is not this mode's ``state_dict()`` (version 2 or 1),
-                or a field is wrong; the message names it.
-        """
-        max_tokens, events, growth = read_guard_state(state, self.mode)
-        self._growth.load(growth)  # raises before anything changes
-        if self._strategy.keeps_step:
-            self._micro_tokens = min(self.sampler.max_tokens, max_tokens)
-        self.events = events
+        if self._growth is not None:
+            self._growth.memory_changed()
 
     def start_from(self, max_tokens: float) -> bool:
         """Lower the budget in force to ``max_tokens`` before training (a budget known to fit).
@@ -201,16 +236,141 @@ class OOMFallback:
         max_tokens = _checks.positive_number("max_tokens", max_tokens)
         if max_tokens >= self.max_tokens:
             return False
-        self._lower(max_tokens, steps_done=self._cursor.steps_done)
+        self._lower(max_tokens, steps_done=self.steps_done)
         return True
 
     def add_listener(self, callback: Callable[[OOMFallback], None]) -> None:
         """Call ``callback(fallback)``, on every rank, after each step that trained following new events.
 
         That is once the new budget has been shown to fit: the place to
-        record it (what :func:`tokenbatch.remember_budget` does).
+        record it (what :func:`tokenbatch.probe.remember_budget` does).
         """
         self._listeners.append(callback)
+
+    # -- checkpoints ---------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """The run's checkpoint: the sampler's state at the steps trained, the budget, events and bracket.
+
+        Register the guard for checkpointing (``accelerator.register_for_checkpointing(fallback)``)
+        rather than the sampler. A stream's state is its own reader's: on several
+        ranks save each rank's ``state_dict()`` (``save_state`` keeps the main process's only).
+        """
+        if isinstance(self.sampler, TokenBudgetBatchSampler):
+            sampler_state = self.sampler.state_dict(steps_done=self.steps_done)
+        else:
+            sampler_state = self.sampler.state_dict()
+        return {
+            "version": _STATE_VERSION,
+            "mode": self.mode,
+            "max_tokens": self.max_tokens,
+            "events": [event.as_dict() for event in self.events],
+            "growth": None if self._growth is None else self._growth.state(),
+            "sampler": sampler_state,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume from :meth:`state_dict`: the sampler at the first step not trained, the budget, the events.
+
+        Every field is checked before anything changes: on an error the guard and the sampler are as
+        they were.
+
+        Raises:
+            TypeError, ValueError: the state is not this mode's ``state_dict()``, or a field is wrong;
+                the message names it.
+        """
+        if not isinstance(state, dict) or state.get("version") != _STATE_VERSION or set(state) != _STATE_KEYS:
+            raise ValueError(
+                f"state should be an OOMFallback.state_dict() (version {_STATE_VERSION}, keys "
+                f"{sorted(_STATE_KEYS)}), but got {state!r:.200}"
+            )
+        if state["mode"] != self.mode:  # a halve-mode budget is the sampler's, not a micro-batch one
+            raise ValueError(
+                f"state['mode'] should be {self.mode!r}, this fallback's mode, but got "
+                f"state['mode']={state['mode']!r}; resume with OOMFallback(..., mode={state['mode']!r})"
+            )
+        max_tokens = _checks.positive_number("state['max_tokens']", state["max_tokens"])
+        saved = state["events"]
+        if not isinstance(saved, list | tuple):
+            raise TypeError(f"state['events'] should be a list, but got state['events']={saved!r:.100}")
+        events = [OOMEvent.from_dict(e, name=f"state['events'][{i}]") for i, e in enumerate(saved)]
+        if self._growth is not None:
+            self._growth.load(state["growth"])  # raises before anything changes
+        self.sampler.load_state_dict(state["sampler"])  # so does this
+        if not self._drops_step:
+            self._micro_tokens = min(self.sampler.max_tokens, max_tokens)
+        self.events = events
+        self._epoch, self._steps_done = self.sampler.epoch, self._first_step()
+
+    # -- the loop ------------------------------------------------------------------------
+
+    def iterate(self, dataloader: Iterable[T]) -> Iterator[T]:
+        """The batches of ``dataloader`` for this epoch, across any re-plans; counts the steps trained.
+
+        A step is trained once its backward pass succeeded, or once the loop
+        asks for the next batch. After a halve-mode re-plan the DataLoader
+        iterator (and the batches it read ahead from the old plan) is closed,
+        and a fresh one resumes at the first step not yet trained.
+
+        Raises:
+            ValueError: ``dataloader`` does not draw its batches from the sampler,
+                skips batches (``skip_first_batches``), or reads the global plan
+                (``rank=None``) itself on several processes.
+        """
+        if isinstance(self.sampler, TokenBudgetStream):
+            return self._iterate_stream(dataloader)
+        self._check_feeds(dataloader)
+        return self._iterate(_Batches(dataloader, self.sampler))
+
+    def _iterate(self, batches: _Batches[T]) -> Iterator[T]:
+        self._follow(batches)
+        try:
+            for step, batch in batches:
+                self._step, restarts = step, batches.restarts
+                yield batch
+                if batches.restarts == restarts:  # the loop asked for the next batch: this one is done
+                    self._trained(step)
+        finally:
+            self._step = None
+            if self._batches is batches:
+                self._batches = None
+            batches.close()
+
+    def _follow(self, batches: _Batches[Any], *, steps_done: int | None = None) -> None:
+        """Count the steps of ``batches`` (a pass over the sampler's DataLoader); restart it on re-plans.
+
+        ``steps_done``: the steps of the epoch trained so far, where the loop has drawn batches
+        ahead of training (the Trainer's); by default none was drawn yet.
+        """
+        self._batches = batches
+        done = batches.next_step if steps_done is None else steps_done
+        self._epoch, self._steps_done = self.sampler.epoch, done
+
+    def _iterate_stream(self, dataloader: Iterable[T]) -> Iterator[T]:
+        dataset = getattr(dataloader, "dataset", self.sampler)
+        if dataset is not self.sampler:
+            raise ValueError(
+                f"dataloader should read this fallback's stream, DataLoader(stream, batch_size=None, "
+                f"collate_fn=...), but its dataset is a {type(dataset).__name__}; pass the stream given "
+                f"to OOMFallback"
+            )
+        self._epoch, self._steps_done = self.sampler.epoch, self._first_step()
+        try:
+            for step, batch in enumerate(dataloader, start=self._steps_done):
+                self._step = step
+                yield batch
+                self._trained(step)
+        finally:
+            self._step = None
+
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        """``optimizer.step()`` on every rank together; out of memory: free memory and retry once, or raise.
+
+        Raises:
+            ~tokenbatch.oom.OptimizerOOMError: on every rank, naming the optimizer and the failed allocation.
+            RankFailedError: another rank's step raised an error that is not out-of-memory.
+        """
+        guarded_step(optimizer, where=f"epoch {self.sampler.epoch}, step {max(self.steps_done - 1, 0)}")
 
     def evaluate(self, batch: Any, fn: Callable[[Any], T], *, lower_training: bool = False) -> T:
         """``fn(batch)`` without gradients, in micro-batches on every rank after out-of-memory on any.
@@ -222,34 +382,9 @@ class OOMFallback:
         """
         result = self.eval_guard.evaluate(batch, fn)
         budget = self.eval_guard.max_tokens
-        lowered = lower_training and budget is not None and self.start_from(budget)
-        if lowered and not self._strategy.keeps_step:
-            self._cursor.replanned()  # halve: iterate() resumes afresh
+        if lower_training and budget is not None:
+            self.start_from(budget)
         return result
-
-    # -- the loop ------------------------------------------------------------------
-
-    def step(self, optimizer: torch.optim.Optimizer) -> None:
-        """``optimizer.step()`` on every rank together; out of memory: free memory and retry once, or raise.
-
-        Raises:
-            ~tokenbatch.oom.OptimizerOOMError: on every rank, naming the optimizer and the failed allocation.
-            RankFailedError: another rank's step raised an error that is not out-of-memory.
-        """
-        guarded_step(optimizer, where=f"epoch {self.sampler.epoch}, step {max(self.steps_done - 1, 0)}")
-
-    def iterate(self, dataloader: Iterable[T]) -> Iterator[T]:
-        """The batches of ``dataloader`` for this epoch, across any re-plans.
-
-        After a halve-mode re-plan the abandoned DataLoader iterator (and the
-        batches it read ahead from the old plan) is closed, and a fresh one
-        resumes at the first step not yet trained.
-
-        Raises:
-            ValueError: ``dataloader`` does not draw its batches from the sampler,
-                or reads its global plan (``rank=None``) itself on several processes.
-        """
-        return self._cursor.iterate(dataloader)
 
     def backward(self, batch: Any, loss_fn: Callable[[Any], torch.Tensor]) -> torch.Tensor | None:
         """Run ``loss_fn(batch)`` and its backward pass; on out-of-memory, recover on every rank.
@@ -266,27 +401,30 @@ class OOMFallback:
             SampleTooLargeError: even one sample does not fit, or the budget is at ``min_tokens``.
             RankFailedError: another rank raised an error that is not out-of-memory
                 (that rank re-raises its own error unchanged).
-            RuntimeError: halve mode, in a loop over the DataLoader itself: the
-                batch is from a plan a re-plan replaced (the DataLoader read it
-                ahead); :meth:`iterate` starts the DataLoader afresh instead.
+            ValueError: halve mode on a sampler outside :meth:`iterate`, which is
+                what starts the DataLoader afresh after a re-plan.
         """
-        step = self._cursor.current_step()
+        if self._drops_step and self._batches is None:
+            raise ValueError(
+                "mode='halve' re-plans the rest of the epoch after running out of memory, which needs "
+                "the DataLoader iterated afresh, but backward() was called outside fallback.iterate(): "
+                "loop with `for batch in fallback.iterate(train_dataloader):`, or use mode='split', "
+                "which keeps every planned batch"
+            )
+        step = self._step if self._step is not None else self.steps_done
         passes = self._passes
         params = passes.params()
-        unfed = self._cursor.unfed()  # a batch of the plan a re-plan replaced: refused on every rank
         # Accumulation: the step runs into fresh gradients; the group's earlier ones survive a failure.
         with passes.ddp.step(self.accelerator) as sync, KeptGradients(params) as kept:
             work = StepWork(batch)
             attempt = 0
             while True:
                 outcome, error = Outcome(), None
-                if unfed is not None:
-                    outcome, error = Outcome("error"), unfed
-                    passes.skip(work, params, sync=sync, kept=kept)  # the collectives the others issue
-                elif work.loss is None:
-                    micro = self._strategy.split_budget(self._micro_tokens, self.sampler.max_tokens)
+                if work.loss is None:
+                    micro = self._micro_budget()
+                    fill = self._growth is not None and self._growth.filling()
                     outcome, error = passes.attempt(
-                        work, loss_fn, params, micro_tokens=micro, sync=sync, kept=kept
+                        work, loss_fn, params, micro_tokens=micro, sync=sync, kept=kept, fill=fill
                     )
                     if outcome.status == "oom":
                         kept.drop_step()
@@ -308,27 +446,54 @@ class OOMFallback:
                     min_tokens=self.min_tokens,
                     attempt=attempt,
                 )
-                event = self._growth.failed(event, outcomes)  # a failed try: back to the budget that trained
+                if self._growth is not None:  # a failed try: back to the budget that trained
+                    event = self._growth.failed(event, outcomes)
                 self._record(event)
-                if not self._strategy.keeps_step:
+                # A sample over the new budget gets a batch of its own (the sampler admitted it): only when
+                # it runs out of memory alone does next_event raise SampleTooLargeError, with its length.
+                self._lower(event.new_max_tokens, steps_done=step)
+                if self._drops_step:
                     kept.restore()  # the step is dropped on every rank; the group's earlier gradients stay
-                    self._replan(event)
                     return None
-                self._lower(event.new_max_tokens, steps_done=step)  # and try again, in smaller micro-batches
-                attempt += 1
+                attempt += 1  # and try again, in smaller micro-batches
             if work.average is not None:
                 work.average.average_into_grads(any_grad)
             kept.release()
-        self._cursor.steps_done = step + 1
-        if self._growth.trained(step=step, budget=self.max_tokens, batch=batch):
-            self._unreported = True  # a larger budget trained: the listeners remember it
+        self._trained(step)
+        if self._growth is not None:
+            if self._growth.trained(step=step, budget=self.max_tokens, batch=batch):
+                self._unreported = True  # a larger budget trained: the listeners remember it
+            self._growth.try_larger(
+                self.max_tokens, step + 1, self._lower, can_replan=self._batches is not None
+            )
         if self._unreported:
             self._unreported = False
             for listener in self._listeners:
                 listener(self)
-        if self._growth.try_larger(self.max_tokens, step + 1, self._lower):
-            self._cursor.replanned()  # halve mode: iterate() resumes afresh under the larger budget
         return work.loss
+
+    # -- inside --------------------------------------------------------------------------
+
+    def _first_step(self) -> int:
+        """The step the sampler's (or stream's) next pass starts at: 0, or where a resume left it."""
+        if isinstance(self.sampler, TokenBudgetBatchSampler):
+            return self.sampler.start_step
+        run = self.sampler.state_dict()["run"]  # before a pass: the state loaded last, if any
+        return int(run["yielded"]) if run else 0
+
+    def _trained(self, step: int) -> None:
+        if self._epoch != self.sampler.epoch:
+            self._epoch, self._steps_done = self.sampler.epoch, self._first_step()
+        self._steps_done = max(self._steps_done, step + 1)
+
+    def _micro_budget(self) -> float | None:
+        """The budget to cut this attempt's batch to, or None to run it as formed."""
+        if self._drops_step:
+            return None
+        # Until the budget drops below what the batches were formed under, they run as they come.
+        sampler = self.sampler
+        formed = sampler.ceiling if isinstance(sampler, TokenBudgetStream) else sampler.max_tokens
+        return self._micro_tokens if self._micro_tokens < formed else None
 
     def _record(self, event: OOMEvent) -> None:
         self.events.append(event)
@@ -338,13 +503,121 @@ class OOMFallback:
 
     def _lower(self, max_tokens: float, *, steps_done: int) -> None:
         """Put ``max_tokens`` in force (lower, or higher to grow): the micro-batch budget, or re-plan."""
-        if self._strategy.keeps_step:
+        if not self._drops_step:
             self._micro_tokens = max_tokens
-        if self._strategy.rebudgets:
+        if self.mode == "halve":
             self.sampler.replan(max_tokens, steps_done=steps_done)
+        if self._drops_step and self._batches is not None:
+            self._batches.restart()
 
-    def _replan(self, event: OOMEvent) -> None:
-        # A sample over the new budget gets a batch of its own (the sampler admitted it): only when
-        # it runs out of memory alone does next_event raise SampleTooLargeError, with its length.
-        self._lower(event.new_max_tokens, steps_done=event.step)
-        self._cursor.replanned()
+    def _check_feeds(self, dataloader: object) -> None:
+        """Refuse a DataLoader that the sampler does not feed (re-plans would not reach it).
+
+        Also one that skips batches, or reads the global plan as it is on
+        several processes (every rank would train every sample).
+        """
+        source: Any = dataloader
+        seen: list[str] = []
+        while getattr(source, "batch_sampler", None) is not None and len(seen) < 4:
+            source = source.batch_sampler  # DataLoader -> accelerate's BatchSamplerShard -> ...
+            seen.append(type(source).__name__)
+            skip = getattr(source, "skip_batches", 0)
+            if isinstance(skip, int) and skip > 0:
+                # accelerate's skip_first_batches: the steps would be numbered from the wrong one.
+                raise ValueError(
+                    f"dataloader should not skip batches under OOMFallback, but it comes from "
+                    f"skip_first_batches(..., {skip}): the sampler resumes by itself at the first step "
+                    f"not yet trained. Checkpoint the fallback (fallback.state_dict(), or "
+                    f"accelerator.register_for_checkpointing(fallback)) and iterate the prepared "
+                    f"DataLoader itself after loading it"
+                )
+            if source is self.sampler:
+                world = distributed.world_size()
+                if len(seen) == 1 and self.sampler.rank is None and world > 1:
+                    raise ValueError(
+                        f"rank should be this process's rank when a DataLoader reads the sampler itself "
+                        f"on {world} processes (plain DDP), but got rank=None: the sampler then yields "
+                        f"the global plan, every rank's batches, and every rank would train every "
+                        f"sample; pass rank=torch.distributed.get_rank(), or let "
+                        f"accelerator.prepare(dataloader) share the plan out"
+                    )
+                return
+        if seen:
+            raise ValueError(
+                f"dataloader should draw its batches from this fallback's sampler, but its batch "
+                f"samplers are {' -> '.join(seen)}; pass DataLoader(dataset, batch_sampler=sampler) "
+                f"(prepared by accelerate or not) for the sampler given to OOMFallback"
+            )
+
+
+class _Batches(Generic[T]):
+    """``(step, batch)`` for the rest of the sampler's epoch, from a DataLoader over it; restartable.
+
+    The DataLoader is iterated lazily, from the sampler's ``start_step``.
+    :meth:`restart` (after a re-plan) closes the DataLoader iterator and the
+    batches it read ahead from the old plan; the next batch is then the new
+    plan's first step not yet trained. ``restarts`` counts them, so that a
+    loop which reads batches ahead of training (the Trainer's) can tell a
+    batch of a replaced plan.
+    """
+
+    def __init__(self, dataloader: Iterable[T], sampler: TokenBudgetBatchSampler) -> None:
+        self.dataloader = dataloader
+        self.sampler = sampler
+        self.next_step = sampler.start_step
+        """The step of the next batch this gives."""
+        self.restarts = 0
+        self._iterator: Iterator[T] | None = None
+        self._exhausted = False
+
+    def __iter__(self) -> _Batches[T]:
+        return self
+
+    def __next__(self) -> tuple[int, T]:
+        if self._exhausted:
+            raise StopIteration
+        if self._iterator is None:
+            set_epoch = getattr(self.dataloader, "set_epoch", None)
+            if callable(set_epoch):
+                # accelerate's DataLoaderShard passes its own count of full passes to the sampler's
+                # set_epoch when iterated on one process, and an abandoned pass is not counted: align
+                # it with the sampler, or a resumed or restarted epoch would be sent back to another.
+                set_epoch(self.sampler.epoch)
+            self._iterator = iter(self.dataloader)
+        try:
+            batch = next(self._iterator)
+        except StopIteration:
+            self._iterator = None
+            self._exhausted = True
+            raise
+        step = self.next_step
+        self.next_step += 1
+        return step, batch
+
+    def restart(self) -> None:
+        """After a re-plan: continue at the step the sampler's next pass starts at."""
+        self.close()
+        self.next_step = self.sampler.start_step
+        self._exhausted = False
+        self.restarts += 1
+
+    def close(self) -> None:
+        """Stop an unfinished DataLoader iterator (and unregister it from accelerate's gradient state)."""
+        iterator, self._iterator = self._iterator, None
+        if iterator is None:
+            return
+        close = getattr(iterator, "close", None)
+        if callable(close):
+            close()  # a generator (accelerate's DataLoaderShard) stops reading ahead
+        del iterator  # a DataLoader iterator shuts its workers down when dropped
+        end = getattr(self.dataloader, "end", None)
+        if callable(end) and hasattr(self.dataloader, "gradient_state"):
+            # accelerate registers a DataLoader with its GradientState until the end of an
+            # iteration, and an abandoned one never gets there: end it here.
+            with contextlib.suppress(ValueError):  # older accelerate: it had already ended
+                end()
+
+
+def _check_weight(weight: Any) -> None:
+    if not (weight in ("samples", "tokens") or callable(weight)):
+        raise ValueError(f"weight should be 'samples', 'tokens' or a function, but got weight={weight!r}")

@@ -28,9 +28,8 @@ from typing import Any, cast
 import torch
 
 from tokenbatch import distributed
-from tokenbatch.oom._detect import free_memory, is_oom
-from tokenbatch.oom._events import OptimizerOOMError
-from tokenbatch.oom._outcome import Outcome, raise_on_every_rank, share
+from tokenbatch.oom._errors import OptimizerOOMError, free_memory, is_oom
+from tokenbatch.oom._step import Outcome, raise_on_every_rank, share
 
 logger = logging.getLogger("tokenbatch.oom")
 

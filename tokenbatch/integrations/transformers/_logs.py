@@ -3,7 +3,7 @@
 Trainer logs (logger ``transformers.trainer``, at info level) a run's batch
 size from ``per_device_*_batch_size`` and its step counts from the training
 loader's length; a token-budget run uses neither (its loader's length is a
-bound, see :mod:`tokenbatch.integrations._feed`). Nothing public changes what
+bound, see :mod:`tokenbatch.integrations.transformers._feed`). Nothing public changes what
 those lines print, so while ``train`` or an evaluation runs a
 :class:`logging.Filter` on that logger rewrites them in place: the line keeps
 Trainer's logger, level and handlers, so it shows wherever Trainer's own lines
@@ -19,7 +19,7 @@ import contextlib
 import logging
 from collections.abc import Callable, Iterator, Sequence
 
-from tokenbatch.integrations._schedule import Run, planned_updates
+from tokenbatch.integrations.transformers._schedule import Run, planned_updates
 from tokenbatch.sampler import TokenBudgetBatchSampler
 
 TRAINER_LOGGER = "transformers.trainer"

@@ -19,9 +19,10 @@ is what one big batch would report.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 from accelerate.utils import recursively_apply
 
@@ -109,3 +110,25 @@ def rank_local_loss(args: Any) -> Iterator[None]:
     finally:
         if saved:
             args.average_tokens_across_devices = saved
+
+
+# -- predictions back in dataset order ---------------------------------------------
+
+
+def reorder(value: Any, index: np.ndarray, count: int) -> Any:
+    """``value[index]`` for every array of ``count`` rows in a (nested) prediction output."""
+    if isinstance(value, np.ndarray | torch.Tensor) and value.ndim > 0 and len(value) == count:
+        return value[index]
+    if isinstance(value, tuple | list):
+        return type(value)(reorder(v, index, count) for v in value)
+    if isinstance(value, Mapping):
+        return {k: reorder(v, index, count) for k, v in value.items()}
+    return value
+
+
+def inverse_order(order: Sequence[int] | np.ndarray) -> np.ndarray:
+    """Where each sample sits in ``order``: ``output[inverse_order(order)]`` is in dataset order."""
+    order = np.asarray(order)
+    inverse = np.empty_like(order)
+    inverse[order] = np.arange(len(order))
+    return inverse

@@ -1,4 +1,7 @@
-"""Trainer's training step with its forward and backward passes run by :class:`~tokenbatch.OOMFallback`."""
+"""Trainer's training step with its forward and backward passes run by :class:`~tokenbatch.OOMFallback`.
+
+Also what a token-budget run cannot honour among ``TrainingArguments`` (:func:`check_supported`).
+"""
 
 from __future__ import annotations
 
@@ -9,7 +12,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from tokenbatch.oom import Halve, OOMFallback, Split
+from tokenbatch.integrations import _upstream
+from tokenbatch.oom import OOMFallback
 from tokenbatch.sampler import TokenBudgetBatchSampler
 from tokenbatch.stream import TokenBudgetStream
 
@@ -51,7 +55,7 @@ def count_items(batch: Any, *, shifts_labels: bool) -> float:
 
 def labelled_items(trainer: Any, batch: Any) -> float:
     """:func:`count_items` as ``trainer``'s loss counts them."""
-    return count_items(batch, shifts_labels=bool(getattr(trainer, "_loss_shifts_labels", False)))
+    return count_items(batch, shifts_labels=_upstream.loss_shifts_labels(trainer))
 
 
 def make_fallback(
@@ -62,25 +66,19 @@ def make_fallback(
 ) -> OOMFallback:
     """The trainer's fallback for ``model`` (as Trainer wrapped it), resumed from ``state`` if given."""
     pad_token_id = getattr(trainer.processing_class, "pad_token_id", None)
-    # Shares that make the micro-batch losses add up to the batch loss (see guarded_step); Halve
-    # micro-batches a stream's batches formed before a re-budget.
+    # Shares that make the micro-batch losses add up to the batch loss (see share_loss); a stream's
+    # batches formed before a re-budget run in micro-batches in halve mode too.
     weight = lambda piece: max(labelled_items(trainer, piece), 1e-12)  # noqa: E731
-    grow = trainer.oom_grow
-    if isinstance(sampler, TokenBudgetStream) and grow is not False:
-        raise ValueError(
-            f"oom_grow should be False with an iterable train_dataset, but got oom_grow={grow!r}: growth "
-            f"proves a budget on the sampler's global plan, which a stream does not have; pass oom_grow=False"
-        )
     fallback = OOMFallback(
         sampler,
         model,
         accelerator=SyncEveryStep(trainer.accelerator),
-        mode=Split(weight=weight, pad_token_id=pad_token_id)
-        if trainer.oom_mode == "split"
-        else Halve(pad_token_id=pad_token_id, weight=weight),
+        mode=trainer.oom_mode,
         factor=trainer.oom_factor,
-        min_tokens=trainer.min_tokens,
-        grow=grow,  # halve mode: a growth re-plan restarts the feed like a shrinking one (_loop.py)
+        min_tokens=trainer.oom_min_tokens,
+        grow=trainer.oom_grow,  # halve mode: a growth re-plan restarts the feed like a shrinking one
+        weight=weight,
+        pad_token_id=pad_token_id,
     )
     if state:
         fallback.load_state_dict(state)

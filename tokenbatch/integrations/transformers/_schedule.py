@@ -21,8 +21,7 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-from tokenbatch.integrations._feed import BudgetLoader
-from tokenbatch.integrations._stream import StreamLoader
+from tokenbatch.integrations.transformers._feed import BudgetLoader, StreamLoader
 from tokenbatch.sampler import TokenBudgetBatchSampler
 
 logger = logging.getLogger("tokenbatch.integrations.transformers")
@@ -172,7 +171,7 @@ class RunProgress(TrainerCallback):
     """Trainer's counts made true for a token-budget run (``run()`` gives it; None: not one).
 
     Trainer sizes the run from the loader's length (a bound, see
-    :mod:`tokenbatch.integrations._feed`) and assumes a fixed count of batches
+    :mod:`tokenbatch.integrations.transformers._feed`) and assumes a fixed count of batches
     per epoch: at the start of training this sets ``state.max_steps`` (and the
     logging, evaluation and saving steps given as a share of it) to the plans'
     count; after each optimizer step it sets ``state.epoch`` from the share of
@@ -221,10 +220,10 @@ class RunProgress(TrainerCallback):
         run = self.run()
         if run is None or isinstance(run.loader, StreamLoader):  # a stream's epoch ends when it is read out
             return
-        sampler = run.loader.sampler
+        sampler, trained = run.loader.sampler, run.loader.trained
         steps = sampler.plan.num_steps
-        state.epoch = sampler.epoch + sampler.position.trained / max(1, steps)
-        if run.loader.feed is not None and sampler.position.trained >= steps:
+        state.epoch = sampler.epoch + trained / max(1, steps)
+        if run.loader.feed is not None and trained >= steps:
             control.should_epoch_stop = True  # the plan is trained: Trainer's count of batches is a bound
 
     def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:

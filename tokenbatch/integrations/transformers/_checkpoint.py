@@ -74,21 +74,28 @@ def checkpoint_state(
     *,
     oom_mode: str | None,
     sampler: TokenBudgetBatchSampler | TokenBudgetStream,
+    steps_done: int,
     fallback: OOMFallback | None,
     max_steps: int,
     schedule_length: int,
 ) -> dict[str, Any]:
-    """Where the run is: the sampler's position and budget, the fallback's state, the run's length.
+    """Where the run is: the sampler's state at ``steps_done`` (the loop's count), the guard's, the length.
 
     Checkpoints are saved after optimizer steps, when every batch handed out
-    has been trained: the sampler's ``position.trained`` counts them. A stream
-    (an iterable train set) saves no position: such a run cannot be resumed yet.
+    has been trained. A stream (an iterable train set) saves no position:
+    such a run cannot be resumed yet.
     """
+    if isinstance(sampler, TokenBudgetStream):
+        return {
+            "oom_mode": oom_mode,
+            "sampler": None,
+            "fallback": None,
+            "max_steps": max_steps,
+            "schedule_length": schedule_length,
+        }
     return {
         "oom_mode": oom_mode,
-        "sampler": None
-        if isinstance(sampler, TokenBudgetStream)
-        else sampler.state_dict(steps_done=sampler.position.trained),
+        "sampler": sampler.state_dict(steps_done=steps_done),
         "fallback": None if fallback is None else fallback.state_dict(),
         "max_steps": max_steps,
         "schedule_length": schedule_length,
