@@ -30,10 +30,10 @@ from typing import Any
 
 import numpy as np
 
-from tokenbatch._stream_buffer import Buffer, estimate_boundaries, split_to, tie_breaks
-from tokenbatch._stream_source import Part, Snapshots
 from tokenbatch.cost import CostModel
 from tokenbatch.plan import OversizeSampleError
+from tokenbatch.stream._buffer import Buffer, estimate_boundaries, split_to, tie_breaks
+from tokenbatch.stream._source import Part, Snapshots
 
 logger = logging.getLogger("tokenbatch.stream")
 

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from tokenbatch import distributed
-from tokenbatch._stream_run import Agree
+from tokenbatch.stream._run import Agree
 
 _CPU_GROUPS: dict[int, Any] = {}
 

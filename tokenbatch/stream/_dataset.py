@@ -18,11 +18,11 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from tokenbatch import _checks, distributed
-from tokenbatch._stream_agree import WORKERS_AND_RANKS, accelerate_wrapper, process_group
-from tokenbatch._stream_run import Agree, Reader, Run, Settings
-from tokenbatch._stream_source import Part, kind_of, length_reader
 from tokenbatch.cost import CostModel
 from tokenbatch.plan import OVERSIZE_POLICIES
+from tokenbatch.stream._agree import WORKERS_AND_RANKS, accelerate_wrapper, process_group
+from tokenbatch.stream._run import Agree, Reader, Run, Settings
+from tokenbatch.stream._source import Part, kind_of, length_reader
 
 STATE_VERSION = 2  # 2: the budget in force (an OOM re-budget) is saved as "max_tokens"
 _STATE_KEYS = {"version", "settings", "max_tokens", "epoch", "reader", "run"}
