@@ -176,9 +176,8 @@ class TokenBudgetStream(IterableDataset[list[Any]]):
         if reader.num_replicas == 1:
             agree = None  # one rank has no one to agree with
         elif agree is None:
-            agree = default_agreement(
-                reader, in_worker=reader.num_workers > 1 or get_worker_info() is not None
-            )
+            in_worker = reader.num_workers > 1 or get_worker_info() is not None
+            agree = default_agreement(reader, stream=self, in_worker=in_worker)
         resume = self._take_resume(reader)
         settings = Settings(
             self.cost,

@@ -34,7 +34,6 @@ from __future__ import annotations
 import itertools
 import logging
 import sys
-import types
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -350,7 +349,7 @@ def _cpu_group() -> Any:
     return _CPU_GROUPS[key]
 
 
-def default_agreement(reader: Reader, *, in_worker: bool) -> Agree:
+def default_agreement(reader: Reader, *, stream: object, in_worker: bool) -> Agree:
     """The agreement over ``torch.distributed`` for ``reader``, or an error where it cannot reach the ranks.
 
     Raises:
@@ -358,7 +357,7 @@ def default_agreement(reader: Reader, *, in_worker: bool) -> Agree:
             in a DataLoader worker (no process group there), or no process group is initialised.
         ValueError: the process group's world size is not ``reader.num_replicas``.
     """
-    refusal = accelerate_wrapper()
+    refusal = _accelerate_refusal(stream)
     if refusal is not None:
         raise RuntimeError(refusal)
     if in_worker:
@@ -394,18 +393,30 @@ def _process_group(num_replicas: int) -> Agree:
     return agree
 
 
-def accelerate_wrapper() -> str | None:
-    """The refusal message if an accelerate wrapper that breaks batches is iterating the stream, else None.
+def _accelerate_refusal(stream: object) -> str | None:
+    """The refusal message if the DataLoader accelerate is iterating reads ``stream`` wrongly, else None.
 
-    Looks up the calling frames for the wrapper's ``self``, once per pass;
-    wrappers in another process (a DataLoader worker's parent) cannot be seen.
+    accelerate registers the DataLoader it is iterating in its public
+    ``GradientState().active_dataloader``: its ``DataLoaderShard`` and
+    ``DataLoaderDispatcher`` call ``begin()`` before iterating the DataLoader
+    underneath, so before this pass starts. A stream read through a plain
+    DataLoader (the recipe on several ranks) is not refused, even while
+    another of accelerate's DataLoaders is being iterated. Only ``stream``
+    itself or an ``IterableDatasetShard`` of it as the loader's dataset counts.
     """
-    frame: types.FrameType | None = sys._getframe(1)
-    for _ in range(40):
-        if frame is None:
-            return None
-        owner = type(frame.f_locals.get("self"))
-        if owner.__name__ in _WRAPPERS and owner.__module__.startswith("accelerate"):
-            return _ACCELERATE.format(wrapper=owner.__name__, what=_WRAPPERS[owner.__name__])
-        frame = frame.f_back
-    return None
+    loaders = sys.modules.get("accelerate.data_loader")
+    if loaders is None:  # accelerate not imported: none of its DataLoaders can be reading the stream
+        return None
+    from accelerate.state import GradientState  # loaded with accelerate.data_loader
+
+    # GradientState() is accelerate's handle on its one shared state (every DataLoader it makes holds one);
+    # active_dataloader is None outside its DataLoaders.
+    active = GradientState().active_dataloader
+    dataset = getattr(active, "dataset", None)  # DataLoader.dataset, which accelerate's loaders pass on
+    if isinstance(active, loaders.DataLoaderDispatcher) and dataset is stream:
+        wrapper = "DataLoaderDispatcher"
+    elif isinstance(dataset, loaders.IterableDatasetShard) and dataset.dataset is stream:
+        wrapper = "IterableDatasetShard"
+    else:
+        return None
+    return _ACCELERATE.format(wrapper=wrapper, what=_WRAPPERS[wrapper])
