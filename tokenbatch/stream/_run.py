@@ -25,8 +25,9 @@ negated values). By default (:func:`default_agreement`) it runs over
 tensors (gloo), else on a gloo group made once for it, so that the agreement
 never waits for the GPU (an NCCL all-reduce plus ``.tolist()`` would block
 the host on every batch until the queued backward has finished). Where that
-default cannot reach the other ranks (a DataLoader worker, an accelerate
-loader that reads on one process), the pass is refused before it starts.
+default cannot work (in a DataLoader worker; under an accelerate loader that
+reads on process 0 only, or that deals one stream's items out between
+processes), the pass is refused before it starts.
 """
 
 from __future__ import annotations
@@ -339,16 +340,6 @@ _WRAPPERS = {
 }
 
 
-def _cpu_group() -> Any:
-    """The group to agree on with CPU tensors: the default one under gloo, else a gloo group made once."""
-    if "gloo" in str(dist.get_backend()):
-        return None
-    key = id(dist.group.WORLD)
-    if key not in _CPU_GROUPS:  # new_group is collective: every rank reaches its first agreement together
-        _CPU_GROUPS[key] = dist.new_group(backend="gloo")
-    return _CPU_GROUPS[key]
-
-
 def default_agreement(reader: Reader, *, stream: object, in_worker: bool) -> Agree:
     """The agreement over ``torch.distributed`` for ``reader``, or an error where it cannot reach the ranks.
 
@@ -367,6 +358,36 @@ def default_agreement(reader: Reader, *, stream: object, in_worker: bool) -> Agr
             )
         )
     return _process_group(reader.num_replicas)
+
+
+def _accelerate_refusal(stream: object) -> str | None:
+    """The refusal message if the DataLoader accelerate is iterating reads ``stream`` wrongly, else None.
+
+    accelerate registers the DataLoader it is iterating in its public
+    ``GradientState().active_dataloader``: its ``DataLoaderShard`` and
+    ``DataLoaderDispatcher`` call ``begin()`` before iterating the DataLoader
+    underneath, so before this pass starts. Refused: a ``DataLoaderDispatcher``
+    whose dataset is ``stream``, and a loader whose dataset is an
+    ``IterableDatasetShard`` of ``stream``. A stream read through a plain
+    DataLoader (the recipe on several ranks) is not, even inside another of
+    accelerate's loops.
+    """
+    loaders = sys.modules.get("accelerate.data_loader")
+    if loaders is None:  # accelerate not imported: none of its DataLoaders can be reading the stream
+        return None
+    from accelerate.state import GradientState  # loaded with accelerate.data_loader
+
+    # GradientState() is accelerate's handle on its one shared state (every DataLoader it makes holds one);
+    # active_dataloader is None outside its DataLoaders.
+    active = GradientState().active_dataloader
+    dataset = getattr(active, "dataset", None)  # DataLoader.dataset, which accelerate's loaders pass on
+    if isinstance(active, loaders.DataLoaderDispatcher) and dataset is stream:
+        wrapper = "DataLoaderDispatcher"
+    elif isinstance(dataset, loaders.IterableDatasetShard) and dataset.dataset is stream:
+        wrapper = "IterableDatasetShard"
+    else:
+        return None
+    return _ACCELERATE.format(wrapper=wrapper, what=_WRAPPERS[wrapper])
 
 
 def _process_group(num_replicas: int) -> Agree:
@@ -393,30 +414,11 @@ def _process_group(num_replicas: int) -> Agree:
     return agree
 
 
-def _accelerate_refusal(stream: object) -> str | None:
-    """The refusal message if the DataLoader accelerate is iterating reads ``stream`` wrongly, else None.
-
-    accelerate registers the DataLoader it is iterating in its public
-    ``GradientState().active_dataloader``: its ``DataLoaderShard`` and
-    ``DataLoaderDispatcher`` call ``begin()`` before iterating the DataLoader
-    underneath, so before this pass starts. A stream read through a plain
-    DataLoader (the recipe on several ranks) is not refused, even while
-    another of accelerate's DataLoaders is being iterated. Only ``stream``
-    itself or an ``IterableDatasetShard`` of it as the loader's dataset counts.
-    """
-    loaders = sys.modules.get("accelerate.data_loader")
-    if loaders is None:  # accelerate not imported: none of its DataLoaders can be reading the stream
+def _cpu_group() -> Any:
+    """The group to agree on with CPU tensors: the default one under gloo, else a gloo group made once."""
+    if "gloo" in str(dist.get_backend()):
         return None
-    from accelerate.state import GradientState  # loaded with accelerate.data_loader
-
-    # GradientState() is accelerate's handle on its one shared state (every DataLoader it makes holds one);
-    # active_dataloader is None outside its DataLoaders.
-    active = GradientState().active_dataloader
-    dataset = getattr(active, "dataset", None)  # DataLoader.dataset, which accelerate's loaders pass on
-    if isinstance(active, loaders.DataLoaderDispatcher) and dataset is stream:
-        wrapper = "DataLoaderDispatcher"
-    elif isinstance(dataset, loaders.IterableDatasetShard) and dataset.dataset is stream:
-        wrapper = "IterableDatasetShard"
-    else:
-        return None
-    return _ACCELERATE.format(wrapper=wrapper, what=_WRAPPERS[wrapper])
+    key = id(dist.group.WORLD)
+    if key not in _CPU_GROUPS:  # new_group is collective: every rank reaches its first agreement together
+        _CPU_GROUPS[key] = dist.new_group(backend="gloo")
+    return _CPU_GROUPS[key]
