@@ -286,14 +286,83 @@ def test_accelerate_dispatching_from_process_zero_is_refused() -> None:
 
 
 def test_accelerate_iterable_dataset_shard_is_refused() -> None:
-    from accelerate.data_loader import IterableDatasetShard
+    from accelerate import PartialState
+    from accelerate.data_loader import prepare_data_loader
 
+    PartialState(cpu=True)
     stream = TokenBudgetStream(make_examples([3] * 10), 100, length="length", num_replicas=2, rank=0)
-    shard = IterableDatasetShard(stream, batch_size=1, num_processes=2, process_index=0)
+    # What prepare builds on process 0 of 2 with dispatch_batches=False: a DataLoaderShard over an
+    # IterableDatasetShard of the stream.
+    loader = DataLoader(stream, batch_size=1, collate_fn=lambda b: b)
+    prepared = prepare_data_loader(loader, num_processes=2, process_index=0, dispatch_batches=False)
     with pytest.raises(
         RuntimeError, match=r"IterableDatasetShard, which reads the whole stream on every process"
     ):
-        list(shard)
+        list(prepared)
+
+
+def test_a_plain_dataloader_inside_an_accelerate_one_is_not_taken_for_it() -> None:
+    """Only accelerate's loader of this stream is refused, not another one being iterated around it.
+
+    The stream goes on to its own checks: here, that no process group is initialised.
+    """
+    from accelerate import PartialState
+    from accelerate.data_loader import DataLoaderDispatcher
+
+    PartialState(cpu=True)
+    stream = TokenBudgetStream(make_examples([3] * 10), 100, length="length", num_replicas=2, rank=0)
+    outer = DataLoaderDispatcher(torch.arange(2.0), batch_size=1)
+    for _ in outer:
+        with pytest.raises(RuntimeError, match=r"no torch.distributed process group is initialised"):
+            list(DataLoader(stream, batch_size=None))
+
+
+class _Witness(IterableDataset[torch.Tensor]):
+    """Records what accelerate's GradientState says while this dataset's pass runs."""
+
+    def __init__(self) -> None:
+        self.seen: list[Any] = []
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        from accelerate.state import GradientState
+
+        self.seen.append(GradientState().active_dataloader)
+        yield torch.zeros(2)
+
+
+def test_accelerate_still_exposes_what_the_stream_refusal_reads() -> None:
+    """The stream refuses accelerate's loaders by public attributes only; this fails if they change.
+
+    ``GradientState().active_dataloader`` is set by ``begin()`` before the DataLoader
+    underneath iterates the dataset; the loader's ``.dataset`` is the dataset given to it
+    (``DataLoaderDispatcher``) or an ``IterableDatasetShard`` whose ``.dataset`` it is.
+    """
+    from accelerate import PartialState
+    from accelerate.data_loader import (
+        DataLoaderDispatcher,
+        DataLoaderShard,
+        IterableDatasetShard,
+        prepare_data_loader,
+    )
+
+    PartialState(cpu=True)
+    witness = _Witness()
+    dispatcher = DataLoaderDispatcher(witness, batch_size=None)
+    list(dispatcher)
+    assert len(witness.seen) == 1
+    assert witness.seen[0] is dispatcher, "GradientState().active_dataloader is not the dispatcher"
+    assert isinstance(dispatcher, DataLoaderDispatcher)
+    assert dispatcher.dataset is witness
+
+    witness = _Witness()
+    loader = DataLoader(witness, batch_size=1)
+    prepared = prepare_data_loader(loader, num_processes=2, process_index=0, dispatch_batches=False)
+    list(prepared)
+    assert isinstance(prepared, DataLoaderShard)
+    assert len(witness.seen) == 1
+    assert witness.seen[0] is prepared, "GradientState().active_dataloader is not the DataLoaderShard"
+    assert isinstance(prepared.dataset, IterableDatasetShard)
+    assert prepared.dataset.dataset is witness
 
 
 def test_accelerate_prepare_on_one_process_yields_the_stream() -> None:

@@ -91,7 +91,7 @@ def maker(case: dict[str, Any], data: Any) -> Any:
 
 
 def run(case: dict[str, Any], data: Any, **kwargs: Any) -> tuple[list[list[Any]], list[list[Any]]]:
-    with mock.patch("tokenbatch.stream.get_worker_info", fake_worker_info):
+    with mock.patch("tokenbatch.stream._dataset.get_worker_info", fake_worker_info):
         return run_readers(maker(case, data), case["world"], case["workers"], **kwargs)
 
 
@@ -148,7 +148,7 @@ def test_resume_from_any_step_yields_exactly_the_batches_left(case: dict[str, An
         stream.load_state_dict(states[rank][lane])
         return stream
 
-    with mock.patch("tokenbatch.stream.get_worker_info", fake_worker_info):
+    with mock.patch("tokenbatch.stream._dataset.get_worker_info", fake_worker_info):
         rest, _ = run_readers(resumed, case["world"], case["workers"])
     for rank in range(case["world"]):
         for lane in range(len(full[rank])):

@@ -175,7 +175,9 @@ def test_state_of_another_rank_is_refused_on_load() -> None:
 
 def test_state_of_another_dataloader_worker_is_refused() -> None:
     stream = TokenBudgetStream(EXAMPLES, **SETTINGS)
-    with mock.patch("tokenbatch.stream.get_worker_info", lambda: SimpleNamespace(id=1, num_workers=2)):
+    with mock.patch(
+        "tokenbatch.stream._dataset.get_worker_info", lambda: SimpleNamespace(id=1, num_workers=2)
+    ):
         next(iter(stream))
     state = stream.state_dict()
     assert state["reader"] == {"rank": 0, "num_replicas": 1, "worker": 1, "num_workers": 2}

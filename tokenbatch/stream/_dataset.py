@@ -1,10 +1,7 @@
 """``TokenBudgetStream``: batches that fit a token budget, from a stream of examples.
 
-For data whose lengths are not known up front (``datasets`` streaming, a
-generator, webdataset shards). Memory stays O(``buffer_size``): each reader
-holds that many examples in length order and draws batches from them; the
-structure of one pass is in :mod:`tokenbatch._stream_run`, the buffer in
-:mod:`tokenbatch._stream_buffer`, who reads what in :mod:`tokenbatch._stream_source`.
+The object users hold and checkpoint; a pass over the examples is a
+:class:`~tokenbatch.stream._run.Run` of this process's reader.
 """
 
 from __future__ import annotations
@@ -18,13 +15,12 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from tokenbatch import _checks, distributed
-from tokenbatch._stream_agree import WORKERS_AND_RANKS, accelerate_wrapper, process_group
-from tokenbatch._stream_run import Agree, Reader, Run, Settings
-from tokenbatch._stream_source import Part, kind_of, length_reader
 from tokenbatch.cost import CostModel
 from tokenbatch.plan import OVERSIZE_POLICIES
+from tokenbatch.stream._run import Agree, Run, Settings, default_agreement
+from tokenbatch.stream._source import Part, Reader, kind_of, length_reader
 
-STATE_VERSION = 2  # 2: the budget in force (an OOM re-budget) is saved as "max_tokens"
+_STATE_VERSION = 2  # 2: the budget in force (an OOM re-budget) is saved as "max_tokens"
 _STATE_KEYS = {"version", "settings", "max_tokens", "epoch", "reader", "run"}
 
 
@@ -177,27 +173,30 @@ class TokenBudgetStream(IterableDataset[list[Any]]):
     def __iter__(self) -> Iterator[list[Any]]:
         reader = self._reader()
         agree = self.agree
-        if reader.num_replicas > 1 and agree is None:
-            wrapper = accelerate_wrapper()
-            if wrapper is not None:
-                raise RuntimeError(wrapper)
-            if reader.num_workers > 1 or get_worker_info() is not None:
-                raise RuntimeError(
-                    WORKERS_AND_RANKS.format(
-                        world=reader.num_replicas, worker=reader.worker, workers=reader.num_workers
-                    )
-                )
-            agree = process_group(reader.num_replicas)
+        if reader.num_replicas == 1:
+            agree = None  # one rank has no one to agree with
+        elif agree is None:
+            in_worker = reader.num_workers > 1 or get_worker_info() is not None
+            agree = default_agreement(reader, stream=self, in_worker=in_worker)
         resume = self._take_resume(reader)
         settings = Settings(
-            self.cost, self._made_with, self.buffer_size, self.oversize, self.buckets, self.seed,
+            self.cost,
+            self._made_with,
+            self.buffer_size,
+            self.oversize,
+            self.buckets,
+            self.seed,
             length_reader(self.length),
-        )  # fmt: skip
+        )
         part = Part(
-            self.examples, self._kind, rank=reader.rank, num_replicas=reader.num_replicas,
-            worker=reader.worker, num_workers=reader.num_workers, epoch=self.epoch,
-        )  # fmt: skip
-        agree = agree if reader.num_replicas > 1 else None
+            self.examples,
+            self._kind,
+            rank=reader.rank,
+            num_replicas=reader.num_replicas,
+            worker=reader.worker,
+            num_workers=reader.num_workers,
+            epoch=self.epoch,
+        )
         budget = self._budget
         run = self._run = Run(
             settings, part, reader, epoch=self.epoch, agree=agree, resume=resume, budget=lambda: float(budget)
@@ -254,7 +253,7 @@ class TokenBudgetStream(IterableDataset[list[Any]]):
         start of the epoch (or the state loaded last).
         """
         state: dict[str, Any] = {
-            "version": STATE_VERSION,
+            "version": _STATE_VERSION,
             "settings": self._settings(),
             "max_tokens": self.max_tokens,
             "epoch": self.epoch,
@@ -289,9 +288,9 @@ class TokenBudgetStream(IterableDataset[list[Any]]):
                 f"{sorted(set(state) - _STATE_KEYS)}, "
                 f"missing keys {sorted(_STATE_KEYS - set(state))}"
             )
-        if state["version"] != STATE_VERSION:
+        if state["version"] != _STATE_VERSION:
             raise ValueError(
-                f"state has version={state['version']!r}, but this tokenbatch reads version {STATE_VERSION}"
+                f"state has version={state['version']!r}, but this tokenbatch reads version {_STATE_VERSION}"
             )
         settings = self._settings()
         if dict(state["settings"]) != settings:

@@ -17,23 +17,38 @@ batches and everything read is trained. Only where a rank holds fewer
 examples than another needs batches is anything left out, and then it is
 counted and logged (as is the unread rest of a part longer than the
 others'): never lost silently.
+
+An agreement is the element-wise maximum of a short list of floats over all
+ranks: ``agree([a, b]) -> [max a, max b]`` (a minimum is the maximum of the
+negated values). By default (:func:`default_agreement`) it runs over
+``torch.distributed``: on the default group when its backend reduces CPU
+tensors (gloo), else on a gloo group made once for it, so that the agreement
+never waits for the GPU (an NCCL all-reduce plus ``.tolist()`` would block
+the host on every batch until the queued backward has finished). Where that
+default cannot work (in a DataLoader worker; under an accelerate loader that
+reads on process 0 only, or that deals one stream's items out between
+processes), the pass is refused before it starts.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import sys
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import torch
+import torch.distributed as dist
 
-from tokenbatch._stream_buffer import Buffer, estimate_boundaries, split_to, tie_breaks
-from tokenbatch._stream_source import Part, Snapshots
+from tokenbatch import distributed
 from tokenbatch.cost import CostModel
 from tokenbatch.plan import OversizeSampleError
+from tokenbatch.stream._buffer import Buffer, estimate_boundaries, split_to, tie_breaks
+from tokenbatch.stream._source import Part, Reader, Snapshots
 
 logger = logging.getLogger("tokenbatch.stream")
 
@@ -52,16 +67,6 @@ class Settings:
     buckets: int | np.ndarray
     seed: int
     lengths: Callable[[list[Any], int], np.ndarray]
-
-
-@dataclass(frozen=True)
-class Reader:
-    """Who reads: rank ``rank`` of ``num_replicas``, DataLoader worker ``worker`` of ``num_workers``."""
-
-    rank: int
-    num_replicas: int
-    worker: int
-    num_workers: int
 
 
 class Run:
@@ -135,8 +140,12 @@ class Run:
                 logger.warning(
                     "epoch %d: leaving out examples that alone exceed max_tokens=%g (oversize='skip'), the "
                     "first at position %d of rank %d's part (worker %d); the count is logged at the end",
-                    self.epoch, budget, int(positions[first]), self.reader.rank, self.reader.worker,
-                )  # fmt: skip
+                    self.epoch,
+                    budget,
+                    int(positions[first]),
+                    self.reader.rank,
+                    self.reader.worker,
+                )
             self.skipped += int(over.sum())
             keep = ~over
             chunk = [example for example, kept in zip(chunk, keep.tolist(), strict=True) if kept]
@@ -212,8 +221,11 @@ class Run:
                 "epoch %d: rank %d (worker %d) stops reading its part after %d examples, as another rank's "
                 "part is read out; the rest of this part (more than a buffer) is not read this epoch "
                 "(the ranks' parts are uneven: give every rank the same number of examples or shards)",
-                self.epoch, self.reader.rank, self.reader.worker, self.read,
-            )  # fmt: skip
+                self.epoch,
+                self.reader.rank,
+                self.reader.worker,
+                self.read,
+            )
         self.phase = "final"
 
     def _log_end(self) -> None:
@@ -221,14 +233,21 @@ class Run:
             logger.warning(
                 "epoch %d: left out %d example(s) of rank %d's part (worker %d) that alone exceed "
                 "max_tokens=%g (oversize='skip')",
-                self.epoch, self.skipped, self.reader.rank, self.reader.worker, self.settings.budget,
-            )  # fmt: skip
+                self.epoch,
+                self.skipped,
+                self.reader.rank,
+                self.reader.worker,
+                self.settings.budget,
+            )
         if self.left_out:
             logger.warning(
                 "epoch %d: rank %d (worker %d) left out %d example(s) it had read, because another rank "
                 "held too few examples for a final round of equal batch counts",
-                self.epoch, self.reader.rank, self.reader.worker, self.left_out,
-            )  # fmt: skip
+                self.epoch,
+                self.reader.rank,
+                self.reader.worker,
+                self.left_out,
+            )
 
     # -- checkpointing -----------------------------------------------------------
 
@@ -294,3 +313,112 @@ class Run:
                 found[position] = example
         self._iter = iterator
         return found
+
+
+# -- the default agreement, over torch.distributed ----------------------------------
+
+_CPU_GROUPS: dict[int, Any] = {}
+
+_WORKERS_AND_RANKS = (
+    "TokenBudgetStream with num_replicas={world} is being read in DataLoader worker {worker} of "
+    "{workers}, where no process group reaches the other ranks, so the ranks cannot agree when to end "
+    "the epoch (one rank would wait forever for another). Use num_workers=0 for the stream on several "
+    "ranks (batching is cheap; tokenize in a datasets.map or the collate_fn), or pass agree= a function "
+    "that agrees across the ranks' workers"
+)
+_ACCELERATE = (
+    "TokenBudgetStream is being read through accelerate's {wrapper}, which {what}; that breaks its "
+    "batches on several processes (and its agreement between ranks would wait forever). Build the "
+    "DataLoader on every rank, DataLoader(stream, batch_size=None, collate_fn=...), and do not pass it "
+    "to accelerator.prepare (prepare the model and optimizer; move each batch to accelerator.device); "
+    "register the stream with accelerator.register_for_checkpointing(stream) to save its position"
+)
+_WRAPPERS = {
+    "DataLoaderDispatcher": "reads on process 0 only and splits each batch between processes "
+    "(dispatch_batches=True, the default for iterable datasets)",
+    "IterableDatasetShard": "reads the whole stream on every process and keeps every num_processes-th item",
+}
+
+
+def default_agreement(reader: Reader, *, stream: object, in_worker: bool) -> Agree:
+    """The agreement over ``torch.distributed`` for ``reader``, or an error where it cannot reach the ranks.
+
+    Raises:
+        RuntimeError: the stream is read through an accelerate loader that breaks its batches, or
+            in a DataLoader worker (no process group there), or no process group is initialised.
+        ValueError: the process group's world size is not ``reader.num_replicas``.
+    """
+    refusal = _accelerate_refusal(stream)
+    if refusal is not None:
+        raise RuntimeError(refusal)
+    if in_worker:
+        raise RuntimeError(
+            _WORKERS_AND_RANKS.format(
+                world=reader.num_replicas, worker=reader.worker, workers=reader.num_workers
+            )
+        )
+    return _process_group(reader.num_replicas)
+
+
+def _accelerate_refusal(stream: object) -> str | None:
+    """The refusal message if the DataLoader accelerate is iterating reads ``stream`` wrongly, else None.
+
+    accelerate registers the DataLoader it is iterating in its public
+    ``GradientState().active_dataloader``: its ``DataLoaderShard`` and
+    ``DataLoaderDispatcher`` call ``begin()`` before iterating the DataLoader
+    underneath, so before this pass starts. Refused: a ``DataLoaderDispatcher``
+    whose dataset is ``stream``, and a loader whose dataset is an
+    ``IterableDatasetShard`` of ``stream``. A stream read through a plain
+    DataLoader (the recipe on several ranks) is not, even inside another of
+    accelerate's loops.
+    """
+    loaders = sys.modules.get("accelerate.data_loader")
+    if loaders is None:  # accelerate not imported: none of its DataLoaders can be reading the stream
+        return None
+    from accelerate.state import GradientState  # loaded with accelerate.data_loader
+
+    # GradientState() is accelerate's handle on its one shared state (every DataLoader it makes holds one);
+    # active_dataloader is None outside its DataLoaders.
+    active = GradientState().active_dataloader
+    dataset = getattr(active, "dataset", None)  # DataLoader.dataset, which accelerate's loaders pass on
+    if isinstance(active, loaders.DataLoaderDispatcher) and dataset is stream:
+        wrapper = "DataLoaderDispatcher"
+    elif isinstance(dataset, loaders.IterableDatasetShard) and dataset.dataset is stream:
+        wrapper = "IterableDatasetShard"
+    else:
+        return None
+    return _ACCELERATE.format(wrapper=wrapper, what=_WRAPPERS[wrapper])
+
+
+def _process_group(num_replicas: int) -> Agree:
+    """The default agreement over ``torch.distributed``, after checking it spans ``num_replicas`` ranks."""
+    if not distributed.is_initialized():
+        raise RuntimeError(
+            f"TokenBudgetStream with num_replicas={num_replicas} needs the ranks to agree when to end an "
+            f"epoch, but no torch.distributed process group is initialised; initialise it (torchrun, "
+            f"accelerate launch, or Accelerator()) before iterating, or pass agree="
+        )
+    if dist.get_world_size() != num_replicas:
+        raise ValueError(
+            f"num_replicas should be the process group's world size {dist.get_world_size()}, but got "
+            f"num_replicas={num_replicas}; leave it None, or pass agree= to agree among other ranks"
+        )
+    group = _cpu_group()
+
+    def agree(values: list[float]) -> list[float]:
+        tensor = torch.tensor(values, dtype=torch.float64)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+        result: list[float] = tensor.tolist()
+        return result
+
+    return agree
+
+
+def _cpu_group() -> Any:
+    """The group to agree on with CPU tensors: the default one under gloo, else a gloo group made once."""
+    if "gloo" in str(dist.get_backend()):
+        return None
+    key = id(dist.group.WORLD)
+    if key not in _CPU_GROUPS:  # new_group is collective: every rank reaches its first agreement together
+        _CPU_GROUPS[key] = dist.new_group(backend="gloo")
+    return _CPU_GROUPS[key]

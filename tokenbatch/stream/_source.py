@@ -30,16 +30,25 @@ from __future__ import annotations
 import itertools
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from numbers import Integral
 from typing import Any
 
 import numpy as np
 from torch.utils.data import IterableDataset
 
-KINDS = ("sequence", "datasets", "iterable")
+
+@dataclass(frozen=True)
+class Reader:
+    """Who reads: rank ``rank`` of ``num_replicas``, DataLoader worker ``worker`` of ``num_workers``."""
+
+    rank: int
+    num_replicas: int
+    worker: int
+    num_workers: int
 
 
-def is_datasets_iterable(examples: Any) -> bool:
+def _is_datasets_iterable(examples: Any) -> bool:
     """True for a ``datasets.IterableDataset`` (without importing datasets when it is not loaded)."""
     cls = type(examples)
     return any(c.__module__.startswith("datasets.") and c.__name__ == "IterableDataset" for c in cls.__mro__)
@@ -47,7 +56,7 @@ def is_datasets_iterable(examples: Any) -> bool:
 
 def kind_of(examples: Any) -> str:
     """``"sequence"``, ``"datasets"`` or ``"iterable"``; raises for what cannot be read more than once."""
-    if is_datasets_iterable(examples):
+    if _is_datasets_iterable(examples):
         return "datasets"
     if isinstance(examples, (str, bytes, Mapping)):
         raise TypeError(
