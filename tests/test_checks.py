@@ -40,15 +40,12 @@ def test_sampler_keeps_real_booleans() -> None:
     assert sampler.shuffle is False and sampler.drop_last is True
 
 
-def test_oom_fallback_refuses_a_string_trim_padding() -> None:
+def test_oom_fallback_refuses_a_string_overlap() -> None:
     from tokenbatch import oom
 
     sampler = TokenBudgetBatchSampler([5, 3, 8], 16)
-    with pytest.raises(TypeError, match="trim_padding should be True or False, but got trim_padding='False'"):
-        if hasattr(oom, "Split"):  # after the structural refactor the option lives on the split strategy
-            oom.Split(trim_padding="False")
-        else:
-            oom.OOMFallback(sampler, torch.nn.Linear(2, 2), trim_padding="False")
+    with pytest.raises(ValueError, match="mode should be one of 'split', 'halve', but got mode='Split'"):
+        oom.OOMFallback(sampler, torch.nn.Linear(2, 2), mode="Split")
 
 
 # -- lengths (item 15) --------------------------------------------------------------------

@@ -17,7 +17,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
 from oom_common import collate, flat_params, loss_fn, make_rows, quiet, tiny_bert
 
 from tokenbatch import OOMFallback, SampleTooLargeError, TokenBudgetBatchSampler, remember_budget
-from tokenbatch.oom import Halve, Split
 from tokenbatch.probe import BudgetCache, BudgetKey
 from tokenbatch.testing import inject_oom
 
@@ -231,22 +230,14 @@ def test_arguments_are_checked(options: dict[str, Any], match: str) -> None:
         OOMFallback(TokenBudgetBatchSampler(LENGTHS, 256), tiny_bert(0), **options)
 
 
-def test_split_options_are_checked_once_and_old_keywords_say_where_they_went() -> None:
-    with pytest.raises(ValueError, match="weight should be 'samples', 'tokens' or a function"):
-        Split(weight="rows")
+def test_micro_batch_options_are_checked_and_unknown_keywords_refused() -> None:
     sampler = TokenBudgetBatchSampler(LENGTHS, 256)
-    assert OOMFallback(sampler, tiny_bert(0), mode=Split(weight="tokens")).mode == "split"
-    assert OOMFallback(sampler, tiny_bert(0), mode=Halve()).mode == "halve"
-    for option, fix in [
-        ({"weight": "tokens"}, r"mode=tokenbatch\.oom\.Split\(weight=\.\.\.\)"),
-        ({"pad_token_id": 0}, r"Split\(pad_token_id=\.\.\.\)"),
-        ({"trim_padding": False}, r"Split\(trim_padding=\.\.\.\)"),
-        ({"remember": None}, r"tokenbatch\.remember_budget\(fallback, key\)"),
-        ({"cache": None}, r"remember_budget\(fallback, key, cache=cache\)"),
-        ({"weigth": "tokens"}, "unexpected keyword argument 'weigth'"),
-    ]:
-        with pytest.raises(TypeError, match=fix):
-            OOMFallback(sampler, tiny_bert(0), **option)
+    with pytest.raises(ValueError, match="weight should be 'samples', 'tokens' or a function"):
+        OOMFallback(sampler, tiny_bert(0), weight="rows")
+    assert OOMFallback(sampler, tiny_bert(0), weight="tokens").mode == "split"
+    assert OOMFallback(sampler, tiny_bert(0), mode="halve", pad_token_id=0).mode == "halve"
+    with pytest.raises(TypeError, match="unexpected keyword argument 'weigth'"):
+        OOMFallback(sampler, tiny_bert(0), weigth="tokens")  # type: ignore[call-arg]
 
 
 @pytest.mark.parametrize("mode", ["split", "halve"])
@@ -273,27 +264,24 @@ def test_wrong_sampler_or_model_type() -> None:
         OOMFallback(TokenBudgetBatchSampler(LENGTHS, 256), lambda x: x)  # type: ignore[arg-type]
 
 
-def test_without_iterate_the_caller_restarts_after_a_replan() -> None:
-    """As a Trainer integration would: batches drawn directly, restart_pending says when to start over."""
+def test_halve_mode_outside_iterate_is_refused_before_anything_trains() -> None:
+    """Halve mode re-plans the epoch, and only a pass that restarts (iterate, the Trainer's) follows it."""
     model = tiny_bert(0)
     sampler = TokenBudgetBatchSampler(LENGTHS, 256, seed=0)
     loader = DataLoader(ROWS, batch_sampler=sampler, collate_fn=collate)
     fallback = OOMFallback(sampler, model, mode="halve")
-    trained: list[int] = []
-    restarts = 0
+    batch = next(iter(loader))
+    with pytest.raises(ValueError, match=r"mode='halve' re-plans .* outside fallback\.iterate\(\)"):
+        fallback.backward(batch, loss_fn(model))
+    assert all(p.grad is None for p in model.parameters()) and fallback.steps_done == 0
+    split = OOMFallback(sampler, model, mode="split")  # split mode keeps every batch: any loop will do
+    trained = []
     with inject_oom(model, 200):
-        while True:
-            for batch in loader:
-                if fallback.backward(batch, loss_fn(model)) is None:
-                    assert fallback.restart_pending
-                    break
-                trained += batch["idx"].tolist()
-                model.zero_grad()
-            else:
-                break
-            restarts += 1
-    assert restarts == len(fallback.events) == 1 and fallback.steps_done == sampler.plan.num_steps
-    assert sorted(trained) == list(range(64))
+        for batch in loader:
+            assert split.backward(batch, loss_fn(model)) is not None
+            trained += batch["idx"].tolist()
+    assert sorted(trained) == list(range(64)) and len(split.events) >= 1
+    assert split.steps_done == sampler.plan.num_steps
 
 
 def test_token_weights_split_a_token_averaged_loss_exactly() -> None:
@@ -309,7 +297,7 @@ def test_token_weights_split_a_token_averaged_loss_exactly() -> None:
     token_mean(batch).backward()
     whole = [p.grad.clone() for p in model.parameters()]
     model.zero_grad(set_to_none=True)
-    fallback = OOMFallback(TokenBudgetBatchSampler(LENGTHS, 256), model, mode=Split(weight="tokens"))
+    fallback = OOMFallback(TokenBudgetBatchSampler(LENGTHS, 256), model, weight="tokens")
     with inject_oom(model, 60, times=1) as injector:
         loss = fallback.backward(batch, token_mean)
     assert injector.count == 1 and fallback.max_tokens < 256 and loss is not None

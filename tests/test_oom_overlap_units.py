@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tokenbatch.oom._overlap import OverlapReducer, plan_units
+from tokenbatch.oom._ddp import OverlapReducer, plan_units
 
 DTYPES = (torch.float32, torch.float16)
 

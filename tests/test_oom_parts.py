@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from tokenbatch import CostModel, SampleTooLargeError, is_oom
-from tokenbatch.oom import Split
-from tokenbatch.oom._outcome import Outcome, Phase, next_event, pack, unpack
+from tokenbatch import CostModel, SampleTooLargeError, TokenBudgetBatchSampler, is_oom
+from tokenbatch.oom import OOMFallback
+from tokenbatch.oom._step import Outcome, Phase, next_event, pack, unpack
 from tokenbatch.oom._split import inspect_batch, plan_micro_batches, split_batch, take_rows
 
 CPU_OOM = (
@@ -183,8 +183,8 @@ def test_take_rows_keeps_the_batch_type() -> None:
     assert isinstance(part, BatchEncoding) and part["input_ids"].tolist() == [[1, 2]]
     pair = (torch.arange(6).reshape(3, 2), torch.tensor([0, 1, 2]), "meta")
     assert take_rows(pair, inspect_batch(pair), np.array([2]), None)[1].tolist() == [2]
-    with pytest.raises(ValueError, match="weight should be"):
-        Split(weight="rows")  # checked once, where the option is given
+    with pytest.raises(ValueError, match="weight should be"):  # checked once, where the option is given
+        OOMFallback(TokenBudgetBatchSampler([4, 2], 16), torch.nn.Linear(2, 2), weight="rows")
 
 
 # -- the fallback's saved state ------------------------------------------------------------
@@ -200,16 +200,31 @@ def test_fallback_state_is_checked_whole_before_anything_changes() -> None:
     def fallback(mode: str) -> OOMFallback:
         return OOMFallback(TokenBudgetBatchSampler([8] * 16, 64), torch.nn.Linear(2, 1), mode=mode)
 
-    event = OOMEvent(epoch=0, step=3, mode="split", old_max_tokens=64, new_max_tokens=32, longest=8,
-                     ranks=(1,), where=("backward",))  # fmt: skip
-    good = {"version": 1, "mode": "split", "max_tokens": 32.0, "events": [event.as_dict()]}
+    event = OOMEvent(
+        epoch=0,
+        step=3,
+        mode="split",
+        old_max_tokens=64,
+        new_max_tokens=32,
+        longest=8,
+        ranks=(1,),
+        where=("backward",),
+    )
     split = fallback("split")
+    good = {**split.state_dict(), "max_tokens": 32.0, "events": [event.as_dict()]}
     split.load_state_dict(json.loads(json.dumps(good)))  # lists for tuples, as JSON gives them back
     assert split.max_tokens == 32 and split.events == [event]
+    sampler_state = {**good["sampler"], "steps_done": 99}
     bad = [
         ({**good, "mode": "halve"}, ValueError, r"state\['mode'\] should be 'split', this fallback's mode"),
         ({**good, "max_tokens": float("nan")}, ValueError, r"state\['max_tokens'\] should be a positive"),
         ({**good, "events": {"0": event}}, TypeError, r"state\['events'\] should be a list"),
+        ({**good, "version": 2}, ValueError, r"state should be an OOMFallback\.state_dict\(\) \(version 3"),
+        (
+            {**good, "max_tokens": 16.0, "sampler": sampler_state},
+            ValueError,
+            r"state\['steps_done'\] should be",
+        ),
     ]
     broken = {
         "ranks": (r"state\['events'\]\[0\] should be an OOMEvent\.as_dict\(\), with keys", None),

@@ -20,7 +20,6 @@ from hypothesis import strategies as st
 from torch.utils.data import DataLoader
 
 from tokenbatch import CostModel, OOMFallback, TokenBudgetStream
-from tokenbatch.oom import Halve
 from tokenbatch.testing import inject_oom
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
@@ -138,13 +137,13 @@ def test_halve_keeps_going_from_a_resumed_stream_with_its_budget() -> None:
 
 def test_halve_weights_the_micro_batches_of_a_stream_and_refuses_another_dataloader() -> None:
     stream = TokenBudgetStream(ROWS, max_tokens=256, buffer_size=64)
-    fallback = OOMFallback(stream, Tiny(), mode=Halve(weight="tokens"))
+    fallback = OOMFallback(stream, Tiny(), mode="halve", weight="tokens")
     assert fallback.mode == "halve" and fallback.max_tokens == 256
     other = DataLoader(TokenBudgetStream(ROWS, max_tokens=256), batch_size=None, collate_fn=collate)
     with pytest.raises(ValueError, match="dataloader should read this fallback's stream"):
         next(iter(fallback.iterate(other)))
     with pytest.raises(ValueError, match="weight should be"):
-        Halve(weight="rows")
+        OOMFallback(stream, Tiny(), mode="halve", weight="rows")
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])

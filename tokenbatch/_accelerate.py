@@ -9,8 +9,8 @@ samples without a word, or leave a rank waiting; nothing read here changes
 what is planned or yielded. Without accelerate imported there is nothing to
 read. Every attribute used is public in accelerate (``batch_sampler``,
 ``dataset``, ``end_of_dataloader``, ``use_stateful_dataloader``,
-``skip_batches``); ``tests/test_accelerate_state.py`` fails loudly if one
-goes away.
+``skip_batches``); tests in ``tests/test_sampler_accelerate.py`` and
+``tests/test_stream.py`` fail loudly if one goes away.
 """
 
 from __future__ import annotations
@@ -40,11 +40,26 @@ def batch_samplers(dataloader: Any) -> list[Any]:
     return chain
 
 
+def reading(sampler: Any) -> Any | None:
+    """The DataLoader accelerate is iterating now if ``sampler`` is its batch sampler (or under it)."""
+    loader = active_dataloader()
+    if loader is None or not any(source is sampler for source in batch_samplers(loader)):
+        return None
+    return loader
+
+
 def is_dispatcher(dataloader: Any) -> bool:
     """``dataloader`` is accelerate's ``DataLoaderDispatcher`` (``dispatch_batches=True``)."""
     module = sys.modules.get("accelerate.data_loader")
     dispatcher = getattr(module, "DataLoaderDispatcher", None)
     return isinstance(dispatcher, type) and isinstance(dataloader, dispatcher)
+
+
+def is_iterable_shard(dataset: Any) -> bool:
+    """``dataset`` is accelerate's ``IterableDatasetShard`` (a prepared iterable dataset)."""
+    module = sys.modules.get("accelerate.data_loader")
+    shard = getattr(module, "IterableDatasetShard", None)
+    return isinstance(shard, type) and isinstance(dataset, shard)
 
 
 def skipped_batches(chain: list[Any]) -> int:

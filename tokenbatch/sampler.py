@@ -21,6 +21,7 @@ import hashlib
 import logging
 import math
 import warnings
+import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -117,9 +118,6 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
         True
     """
 
-    batch_size = None
-    """There is no fixed batch size (accelerate reads this to know the batches are dynamic)."""
-
     def __init__(
         self,
         lengths: Sequence[int] | np.ndarray | Any,
@@ -170,6 +168,7 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
         self._version = 0
         self._yielded = 0
         self._finished = -1
+        self._read_by: tuple[int, weakref.ref[Any]] | None = None  # accelerate's DataLoader reading a pass
         self._warned_repeat = False
         self._cache: tuple[tuple[Any, ...], Plan] | None = None
         if not is_auto(max_tokens):
@@ -296,6 +295,8 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
         changes under it (:meth:`replan`, :meth:`set_epoch`, :meth:`load_state_dict`):
         start a new pass for the new plan.
         """
+        # Not a generator: what is refused must be refused when the DataLoader iterator is made, on every
+        # rank, also where only one rank will ask for batches (accelerate's dispatcher).
         self._need_budget()
         self._refuse_accelerate_misuse()
         plan, start, version = self.plan, self._start, self._version
@@ -310,7 +311,10 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
             self._warned_repeat = True
             _warn_repeat(self._epoch)
         self._yielded = start
-        slots = [self.rank] if self.rank is not None else list(range(world))
+        return self._walk(plan, start, version)
+
+    def _walk(self, plan: Plan, start: int, version: int) -> Iterator[list[int]]:
+        slots = [self.rank] if self.rank is not None else list(range(plan.num_replicas))
         for step in range(start, plan.num_steps):
             for slot in slots:
                 if self._version != version:
@@ -380,11 +384,12 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
             self._version += 1
 
     def _refuse_accelerate_misuse(self) -> None:
-        """Refuse accelerate's set-ups that would mangle this pass (read from its public state)."""
-        loader = _accelerate.active_dataloader()
-        chain = [] if loader is None else _accelerate.batch_samplers(loader)
-        if not any(sampler is self for sampler in chain):
+        """Refuse accelerate's set-ups that would mangle this pass; note its DataLoader (public state)."""
+        loader = _accelerate.reading(self)
+        self._read_by = None if loader is None else (self._version, weakref.ref(loader))
+        if loader is None:
             return
+        chain = _accelerate.batch_samplers(loader)
         if _accelerate.is_dispatcher(loader):
             raise ValueError(
                 "dispatch_batches should be False for TokenBudgetBatchSampler, but got "
@@ -450,13 +455,20 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
         }
 
     def _refuse_read_ahead(self) -> None:
-        """Refuse a default ``state_dict()`` that accelerate's prepared DataLoader would make inexact."""
-        loader = _accelerate.active_dataloader()
-        chain = [] if loader is None else _accelerate.batch_samplers(loader)
-        if not any(sampler is self for sampler in chain) or getattr(loader, "end_of_dataloader", False):
-            return  # not read by accelerate now, or the loop has the epoch's last batch: nothing ahead
-        if getattr(loader, "use_stateful_dataloader", False):
-            if chain[0] is self:
+        """Refuse a default ``state_dict()`` that accelerate's prepared DataLoader makes inexact.
+
+        Where accelerate's DataLoader read this plan's latest pass, the steps the
+        sampler yielded run ahead of those the loop received, unless that
+        DataLoader got to its end (the loop had the epoch's last batch).
+        """
+        if self._read_by is None or self._read_by[0] != self._version:
+            return  # no accelerate DataLoader read this plan: the sampler's count is the loop's
+        loader = self._read_by[1]()
+        finished = self._finished == self._version or self._yielded == self.plan.num_steps
+        if loader is not None and finished and getattr(loader, "end_of_dataloader", False):
+            return
+        if loader is not None and getattr(loader, "use_stateful_dataloader", False):
+            if _accelerate.batch_samplers(loader)[0] is self:
                 return  # torchdata asks for the state where the loop is (it snapshots as it reads)
             raise ValueError(
                 "the sampler should not be checkpointed itself with use_stateful_dataloader=True on "

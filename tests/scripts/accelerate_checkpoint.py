@@ -6,13 +6,17 @@ Usage: python accelerate_checkpoint.py OUT_DIR (one process), or under
 For 0 and 2 DataLoader workers, without and with ``OOMFallback`` (halve mode,
 one injected out-of-memory error before the checkpoint, so the state holds a
 re-plan), a first run trains part of epoch 0, saves with
-``accelerator.save_state`` (the sampler registered for checkpointing) and
-stops; a second run, built from scratch, loads it with ``load_state`` and
-trains the rest of epoch 0 and all of epoch 1. Each rank writes the sample ids
-it trained, by run and epoch, and what accelerate's other options did:
-``split_batches``, ``dispatch_batches``, ``skip_first_batches`` after
-``load_state``, ``use_stateful_dataloader`` with the sampler registered too,
-and a second epoch without ``set_epoch``.
+``accelerator.save_state`` and stops; a second run, built from scratch, loads
+it with ``load_state`` and trains the rest of epoch 0 and all of epoch 1.
+With the guard, the guard is what is registered for checkpointing (its state
+holds the sampler's at the steps trained); without it, accelerate's
+``use_stateful_dataloader=True`` checkpoints the DataLoader, which knows what
+it gave the loop. Each rank writes the sample ids it trained, by run and
+epoch, and what the set-ups that cannot be exact did: the sampler itself
+registered (its own count runs ahead of the loop), ``split_batches``,
+``dispatch_batches``, ``skip_first_batches`` after ``load_state``,
+``use_stateful_dataloader`` with the sampler registered too, and a second
+epoch without ``set_epoch``.
 """
 
 from __future__ import annotations
@@ -51,7 +55,9 @@ class Model(torch.nn.Module):
         return self.embed(input_ids).square().mean()
 
 
-def build(workers: int, **config: Any) -> tuple[Accelerator, TokenBudgetBatchSampler, Any, Any, Any]:
+def build(
+    workers: int, *, register: str = "fallback", **config: Any
+) -> tuple[Accelerator, TokenBudgetBatchSampler, Any, Any, Any, OOMFallback]:
     accelerator = Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(**config))
     sampler = TokenBudgetBatchSampler(LENGTHS, MAX_TOKENS, seed=3)
     loader = DataLoader(
@@ -60,21 +66,22 @@ def build(workers: int, **config: Any) -> tuple[Accelerator, TokenBudgetBatchSam
     model = Model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
-    accelerator.register_for_checkpointing(sampler)
-    return accelerator, sampler, model, optimizer, loader
+    # grow=False: one re-plan to save and restore (exactly once holds with growth too; the count differs)
+    fallback = OOMFallback(sampler, model, accelerator=accelerator, mode="halve", grow=False)
+    if register == "fallback":
+        accelerator.register_for_checkpointing(fallback)
+    elif register == "sampler":
+        accelerator.register_for_checkpointing(sampler)
+    return accelerator, sampler, model, optimizer, loader, fallback
 
 
 def train(run: tuple[Any, ...], guard: bool, save_to: str | None = None) -> list[int]:
     """Train the rest of the sampler's epoch, or ``STOP`` steps and save to ``save_to``: the ids trained."""
-    accelerator, sampler, model, optimizer, loader = run
-    # grow=False: one re-plan to save and restore (exactly once holds with growth too; the count differs)
-    fallback = None
-    if guard:
-        fallback = OOMFallback(sampler, model, accelerator=accelerator, mode="halve", grow=False)
+    accelerator, _, model, optimizer, loader, fallback = run
     trained: list[int] = []
     steps = 0
-    for batch in fallback.iterate(loader) if fallback is not None else loader:
-        if fallback is None:
+    for batch in fallback.iterate(loader) if guard else loader:
+        if not guard:
             accelerator.backward(model(batch["input_ids"]))
         elif fallback.backward(batch, lambda b: model(b["input_ids"])) is None:
             continue  # dropped and re-planned: its samples come again
@@ -83,7 +90,7 @@ def train(run: tuple[Any, ...], guard: bool, save_to: str | None = None) -> list
         trained += batch["ids"].tolist()
         steps += 1
         if save_to is not None and steps == STOP:
-            accelerator.save_state(save_to)  # calls sampler.state_dict() with no argument
+            accelerator.save_state(save_to)
             accelerator.wait_for_everyone()  # the main process wrote it; every rank reads it next
             break
     return trained
@@ -94,15 +101,24 @@ def resume_runs(root: Path) -> dict[str, Any]:
     for workers in (0, 2):
         for guard in (False, True):
             name = f"workers={workers},guard={guard}"
-            first = build(workers)
+            # The guard's recipe: register the fallback. Without it: accelerate's stateful DataLoader.
+            how: dict[str, Any] = (
+                {"register": "fallback"}
+                if guard
+                else {
+                    "register": "nothing",
+                    "use_stateful_dataloader": True,
+                }
+            )
+            first = build(workers, **how)
             # With the guard, step 1 runs out of memory: halved, re-planned, and in the state.
             oom = inject_oom(first[2], max_tokens=1, times=1, after=1) if guard else contextlib.nullcontext()
             with oom:
                 before = train(first, guard, str(root / name))
-            replans = len(first[1].state_dict()["replans"])
-            second = build(workers)
+            replans = len(first[5].state_dict()["sampler"]["replans"])
+            second = build(workers, **how)
             second[0].load_state(str(root / name))
-            start = second[1].start_step
+            start = second[1].start_step if guard else None
             rest = train(second, guard)
             second[1].set_epoch(1)
             epoch1 = train(second, guard)
@@ -119,30 +135,43 @@ def resume_runs(root: Path) -> dict[str, Any]:
 def error_of(action: Any) -> str | None:
     try:
         action()
-    except (TypeError, ValueError) as error:
+    except (TypeError, ValueError) as error:  # the refusals
         return f"{type(error).__name__}: {error}"
     return None
 
 
 def options(root: Path) -> dict[str, Any]:
     report: dict[str, Any] = {}
-    # split_batches: refused at prepare (accelerate read batch_size and failed on None).
+    # The sampler registered itself, as a DataLoader that reads ahead feeds it: refused at save_state.
+    for workers in (0, 2):
+        for guard in (False, True):
+            run = build(workers, register="sampler")
+            report[f"sampler,workers={workers},guard={guard}"] = error_of(
+                lambda run=run, guard=guard: train(run, guard, str(root / "refused"))
+            )
+    # split_batches: accelerate refuses it at prepare (the sampler has no fixed batch size to split).
     report["split"] = error_of(lambda: build(0, split_batches=True))
     # dispatch_batches: refused when iterated, on every rank, before any batch is dealt out.
     report["dispatch"] = error_of(lambda: next(iter(build(0, dispatch_batches=True)[4])))
     # skip_first_batches after load_state: the sampler already resumes; skipping more would lose steps.
-    train(build(0), False, str(root / "skip"))
-    accelerator, *_, loader = build(0)
+    train(build(0), True, str(root / "skip"))
+    accelerator, *_, loader, _ = build(0)
     accelerator.load_state(str(root / "skip"))
     report["skip"] = error_of(lambda: next(iter(accelerator.skip_first_batches(loader, STOP))))
-    # use_stateful_dataloader and the sampler registered too: on two processes the DataLoader skips again.
-    trained = train(build(0, use_stateful_dataloader=True), False, str(root / "stateful"))
-    again = build(0, use_stateful_dataloader=True)
-    again[0].load_state(str(root / "stateful"))
-    report["stateful"] = error_of(lambda: trained.extend(train(again, False)))
+    # use_stateful_dataloader and the sampler registered too: the DataLoader resumes the sampler itself
+    # (one process: the same state twice, fine), and on two processes would skip again: refused.
+    stateful = {"register": "sampler", "use_stateful_dataloader": True}
+    trained: list[int] = []
+    report["stateful"] = error_of(
+        lambda: trained.extend(train(build(0, **stateful), False, str(root / "st")))
+    )
+    if report["stateful"] is None:
+        again = build(0, **stateful)
+        again[0].load_state(str(root / "st"))
+        trained.extend(train(again, False))
     report["stateful_ids"] = trained
     # A second epoch without set_epoch warns (accelerate calls it on one process, not on two).
-    accelerator, sampler, *_, loader = build(0)
+    accelerator, sampler, *_, loader, _ = build(0)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         epochs = [[i for batch in loader for i in batch["ids"].tolist()] for _ in range(3)]

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import sys
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -44,7 +43,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from tokenbatch import distributed
+from tokenbatch import _accelerate, distributed
 from tokenbatch.cost import CostModel
 from tokenbatch.plan import OversizeSampleError
 from tokenbatch.stream._buffer import Buffer, estimate_boundaries, split_to, tie_breaks
@@ -372,18 +371,13 @@ def _accelerate_refusal(stream: object) -> str | None:
     DataLoader (the recipe on several ranks) is not, even inside another of
     accelerate's loops.
     """
-    loaders = sys.modules.get("accelerate.data_loader")
-    if loaders is None:  # accelerate not imported: none of its DataLoaders can be reading the stream
+    active = _accelerate.active_dataloader()
+    if active is None:  # accelerate not imported, or none of its DataLoaders is being iterated
         return None
-    from accelerate.state import GradientState  # loaded with accelerate.data_loader
-
-    # GradientState() is accelerate's handle on its one shared state (every DataLoader it makes holds one);
-    # active_dataloader is None outside its DataLoaders.
-    active = GradientState().active_dataloader
     dataset = getattr(active, "dataset", None)  # DataLoader.dataset, which accelerate's loaders pass on
-    if isinstance(active, loaders.DataLoaderDispatcher) and dataset is stream:
+    if _accelerate.is_dispatcher(active) and dataset is stream:
         wrapper = "DataLoaderDispatcher"
-    elif isinstance(dataset, loaders.IterableDatasetShard) and dataset.dataset is stream:
+    elif _accelerate.is_iterable_shard(dataset) and getattr(dataset, "dataset", None) is stream:
         wrapper = "IterableDatasetShard"
     else:
         return None
