@@ -213,7 +213,7 @@ def run_case(case: dict[str, Any], quick: bool, servers: dict[str, TrialServer])
     """
     import torch
 
-    from tokenbatch.probe import estimate_memory, find_max_tokens, measure_peak
+    from tokenbatch.probe import MemoryModel, find_max_tokens, measure_peak
 
     torch.set_num_threads(1)
     model = build(case)
@@ -248,7 +248,7 @@ def run_case(case: dict[str, Any], quick: bool, servers: dict[str, TrialServer])
     row["held_out_shapes"] = shapes
     row["held_out_median_error"] = statistics.median(errors)
     row["held_out_worst_error"] = max(errors)
-    estimate = estimate_memory(model.config, device="cpu", attn_implementation=row["attention"])
+    estimate = MemoryModel.from_config(model.config, device="cpu", attn_implementation=row["attention"])
     row["analytic_over_fit_linear"] = estimate.linear / fit.linear
     row["analytic_over_fit_quadratic"] = estimate.quadratic / fit.quadratic if fit.quadratic else None
     row["analytic_over_fit_sequence_at_max_len"] = float(

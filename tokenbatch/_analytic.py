@@ -1,11 +1,7 @@
 """Analytic training memory of a transformers encoder or decoder, from its config, as plain numbers.
 
-A leaf module, like :mod:`tokenbatch._checks`: it reads a config and returns
-plain numbers, so that :meth:`tokenbatch.CostModel.from_config` (the
-activation terms) and :meth:`tokenbatch.probe.MemoryModel.from_config` (the
-same terms plus weights and optimizer state) share one formula while
-``cost`` stays below ``probe`` and imports nothing above it. torch is
-imported when a config is read, not with the module, as ``cost`` never needed it.
+It reads a config and returns plain numbers, for
+:meth:`tokenbatch.probe.MemoryModel.from_config`, the one entry point.
 
 The estimate counts the bytes autograd keeps alive between forward and
 backward, per layer, following Korthikanti et al. (2022), "Reducing

@@ -70,7 +70,7 @@ from tokenbatch.probe._cache import BudgetCache, BudgetKey, default_path, rememb
 from tokenbatch.probe._find import ProbeResult, default_memory_limit, find_max_tokens, measure_peak
 from tokenbatch.probe._fit import Measurement, fit_memory
 from tokenbatch.probe._measure import held_bytes
-from tokenbatch.probe._model import MemoryEstimate, MemoryFit, MemoryModel, estimate_memory
+from tokenbatch.probe._model import MemoryModel
 from tokenbatch.probe._synthetic import LossFn, MakeBatch, default_loss, synthetic_batch
 
 __all__ = [
@@ -82,15 +82,12 @@ __all__ = [
     "LossFn",
     "MakeBatch",
     "Measurement",
-    "MemoryEstimate",
-    "MemoryFit",
     "MemoryModel",
     "ProbeResult",
     "auto_budget",
     "default_loss",
     "default_memory_limit",
     "default_path",
-    "estimate_memory",
     "find_max_tokens",
     "fit_memory",
     "held_bytes",

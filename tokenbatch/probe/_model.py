@@ -1,8 +1,7 @@
 """One memory model, ``constant + B * (linear*L + quadratic*L**2 + per_sample)`` bytes, two sources.
 
 :meth:`MemoryModel.from_config` estimates the terms from a transformers
-config (the formula is in ``tokenbatch/_analytic.py``, shared with
-:meth:`tokenbatch.CostModel.from_config`); :func:`tokenbatch.probe.fit_memory`
+config (the formula is in ``tokenbatch/_analytic.py``); :func:`tokenbatch.probe.fit_memory`
 fits them to measured steps. Either way the same methods turn the model into
 a :class:`~tokenbatch.CostModel` and a budget.
 """
@@ -102,6 +101,13 @@ class MemoryModel:
 
         Raises:
             ValueError: an encoder-decoder config, or an unknown option.
+
+        Example:
+            >>> from transformers import BertConfig
+            >>> eager = MemoryModel.from_config(BertConfig(), attn_implementation="eager")
+            >>> flash = MemoryModel.from_config(BertConfig(), attn_implementation="flash_attention_2")
+            >>> eager.cost_model().quadratic > 0, flash.cost_model().quadratic
+            (True, 0.0)
         """
         terms = _analytic.memory_terms(
             config,
@@ -166,30 +172,3 @@ class MemoryModel:
                 f"state alone take {fixed:,.0f}; raise memory_limit, lower margin or use a smaller model"
             )
         return budget
-
-
-#: The fitted and the analytic model were two types; both names stay for code written against them.
-MemoryFit = MemoryModel
-MemoryEstimate = MemoryModel
-
-
-def estimate_memory(
-    config: Any,
-    *,
-    dtype: torch.dtype = torch.float32,
-    training: bool = True,
-    attn_implementation: str | None = None,
-    device: str = "cuda",
-    task: str = "auto",
-    optimizer: str = "adamw",
-) -> MemoryModel:
-    """:meth:`MemoryModel.from_config` under its earlier name."""
-    return MemoryModel.from_config(
-        config,
-        dtype=dtype,
-        training=training,
-        attn_implementation=attn_implementation,
-        device=device,
-        task=task,
-        optimizer=optimizer,
-    )
