@@ -64,13 +64,18 @@ with the batch, the second is a constant (gradients plus optimizer state)
 that dominates only for tiny batches.
 """
 
-from tokenbatch._analytic import TASKS, resolve_task, stores_attention_scores
 from tokenbatch.probe._auto import MEMORY_ENV, AutoBudget, auto_budget, memory_limits, parse_memory
 from tokenbatch.probe._cache import BudgetCache, BudgetKey, default_path, remember_budget
 from tokenbatch.probe._find import ProbeResult, default_memory_limit, find_max_tokens, measure_peak
-from tokenbatch.probe._fit import Measurement, fit_memory
 from tokenbatch.probe._measure import held_bytes
-from tokenbatch.probe._model import MemoryModel
+from tokenbatch.probe._model import (
+    TASKS,
+    Measurement,
+    MemoryModel,
+    fit_memory,
+    resolve_task,
+    stores_attention_scores,
+)
 from tokenbatch.probe._synthetic import LossFn, MakeBatch, default_loss, synthetic_batch
 
 __all__ = [

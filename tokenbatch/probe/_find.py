@@ -14,9 +14,8 @@ import torch
 
 from tokenbatch import _checks
 from tokenbatch.cost import CostModel
-from tokenbatch.probe._fit import Measurement
 from tokenbatch.probe._measure import ProbeStep, held_bytes, model_device, preserved
-from tokenbatch.probe._model import MemoryModel, check_margin
+from tokenbatch.probe._model import Measurement, MemoryModel, check_margin
 from tokenbatch.probe._search import Prober, fit_budget, search_budget, search_cost
 from tokenbatch.probe._synthetic import LossFn, MakeBatch
 

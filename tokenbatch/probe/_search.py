@@ -15,9 +15,8 @@ import numpy as np
 import torch
 
 from tokenbatch.cost import CostModel
-from tokenbatch.probe._fit import Measurement, fit_memory
 from tokenbatch.probe._measure import ProbeStep, held_bytes, model_device
-from tokenbatch.probe._model import MemoryModel
+from tokenbatch.probe._model import Measurement, MemoryModel, fit_memory
 
 logger = logging.getLogger(__name__)
 
