@@ -34,20 +34,8 @@ Typical use, before building the sampler::
     result = find_max_tokens(model, lengths=lengths, memory_limit=8 * 2**30)
     sampler = TokenBudgetBatchSampler(lengths, result.max_tokens, cost=result.cost)
 
-How peak memory is measured:
-
-* CUDA: ``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats``,
-  the allocator's own high-water mark of tensor bytes.
-* CPU: the torch profiler's memory accounting (``profile_memory=True``),
-  which reports every allocation and free of PyTorch's CPU allocator with its
-  exact size; the running sum's maximum is the CPU twin of CUDA's statistic,
-  added to the bytes already held (weights, buffers, optimizer state). We do
-  not use the process's peak RSS: glibc keeps freed heap pages resident, so
-  in one process a later, smaller step shows no growth at all, and a fresh
-  subprocess per shape costs seconds of interpreter and torch start-up and
-  still counts the allocator's retained pages. Memory outside PyTorch's
-  allocator (the interpreter, libraries, glibc's own fragmentation) is not
-  counted; the probe's safety margin is there for it.
+How each step's peak is measured (CUDA allocator statistics; on CPU the torch
+profiler's memory accounting) is told in :mod:`tokenbatch.probe._measure`.
 
 On CPU, what the operating system sees can be well above the tensor bytes:
 glibc's malloc serves blocks below its sliding mmap threshold (up to 32 MiB)
@@ -57,17 +45,19 @@ of the probe's budget with glibc's defaults, and 1.07 of it (the margin at
 work) with ``MALLOC_MMAP_THRESHOLD_=65536``, which gives every tensor of 64
 KiB or more its own mapping, returned when freed. Train on CPU with that
 setting (or jemalloc / tcmalloc), or raise ``margin``.
-
-Each step is measured in two phases, forward + backward and then optimizer
-step + ``zero_grad``, because their peaks behave differently: the first grows
-with the batch, the second is a constant (gradients plus optimizer state)
-that dominates only for tiny batches.
 """
 
 from tokenbatch.probe._auto import MEMORY_ENV, AutoBudget, auto_budget, memory_limits, parse_memory
 from tokenbatch.probe._cache import BudgetCache, BudgetKey, default_path, remember_budget
-from tokenbatch.probe._find import ProbeResult, default_memory_limit, find_max_tokens, measure_peak
-from tokenbatch.probe._measure import held_bytes
+from tokenbatch.probe._find import ProbeResult, default_memory_limit, find_max_tokens
+from tokenbatch.probe._measure import (
+    LossFn,
+    MakeBatch,
+    default_loss,
+    held_bytes,
+    measure_peak,
+    synthetic_batch,
+)
 from tokenbatch.probe._model import (
     TASKS,
     Measurement,
@@ -76,7 +66,6 @@ from tokenbatch.probe._model import (
     resolve_task,
     stores_attention_scores,
 )
-from tokenbatch.probe._synthetic import LossFn, MakeBatch, default_loss, synthetic_batch
 
 __all__ = [
     "MEMORY_ENV",

@@ -1,8 +1,7 @@
-"""The probe's public functions: :func:`find_max_tokens`, :func:`measure_peak` and what they return."""
+"""The probe's entry point, :func:`find_max_tokens`, and what it returns."""
 
 from __future__ import annotations
 
-import math
 import os
 import time
 from collections.abc import Sequence
@@ -14,10 +13,17 @@ import torch
 
 from tokenbatch import _checks
 from tokenbatch.cost import CostModel
-from tokenbatch.probe._measure import ProbeStep, held_bytes, model_device, preserved
+from tokenbatch.probe._measure import (
+    LossFn,
+    MakeBatch,
+    Prober,
+    ProbeStep,
+    held_bytes,
+    model_device,
+    preserved,
+)
 from tokenbatch.probe._model import Measurement, MemoryModel, check_margin
-from tokenbatch.probe._search import Prober, fit_budget, search_budget, search_cost
-from tokenbatch.probe._synthetic import LossFn, MakeBatch
+from tokenbatch.probe._search import fit_budget, search_budget, search_cost
 
 
 @dataclass(frozen=True)
@@ -208,30 +214,3 @@ def find_max_tokens(
         seconds=time.perf_counter() - start,
         device=str(runner.device),
     )
-
-
-def measure_peak(
-    model: torch.nn.Module,
-    batch_size: int,
-    length: int,
-    *,
-    optimizer: torch.optim.Optimizer | None = None,
-    make_batch: MakeBatch | None = None,
-    loss_fn: LossFn | None = None,
-    warmup: bool = True,
-) -> Measurement:
-    """Peak memory of one forward + backward + optimizer step on a worst-case batch; state is restored.
-
-    With ``warmup`` a tiny step runs first, so that the optimizer's state
-    exists as it does in steady-state training.
-    """
-    batch_size = _checks.positive_int("batch_size", batch_size)
-    length = _checks.positive_int("length", length)
-    own_optimizer = optimizer is None
-    if optimizer is None:
-        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
-    with preserved(model, None if own_optimizer else optimizer):
-        runner = ProbeStep(model, optimizer, make_batch=make_batch, loss_fn=loss_fn)
-        if warmup:
-            runner.run(1, min(length, 8), measure=False)
-        return Prober(runner, math.inf, progress=False).measure(batch_size, length)

@@ -8,63 +8,15 @@ from __future__ import annotations
 
 import logging
 import math
-import time
-from typing import Any
 
 import numpy as np
 import torch
 
 from tokenbatch.cost import CostModel
-from tokenbatch.probe._measure import ProbeStep, held_bytes, model_device
+from tokenbatch.probe._measure import Prober, held_bytes, model_device
 from tokenbatch.probe._model import Measurement, MemoryModel, fit_memory
 
 logger = logging.getLogger(__name__)
-
-
-class Prober:
-    """Measures steps, records them and drives the progress bar."""
-
-    def __init__(self, runner: ProbeStep, target: float, progress: bool) -> None:
-        self.runner, self.target = runner, target
-        self.bar: Any = None
-        self.steps = 0
-        if progress:
-            try:
-                from tqdm.auto import tqdm
-
-                self.bar = tqdm(desc="tokenbatch probe", unit="step")
-            except ImportError:
-                logger.info("install tqdm for a progress bar")
-
-    def measure(self, batch_size: int, length: int) -> Measurement:
-        """Run and measure one step of ``batch_size`` sequences of ``length`` tokens."""
-        start = time.perf_counter()
-        peak = self.runner.run(batch_size, length)
-        self.steps += 1
-        m = Measurement(
-            batch_size=batch_size,
-            length=length,
-            peak_bytes=0 if peak.oom else max(peak.forward_backward, peak.optimizer_step),
-            forward_backward_bytes=peak.forward_backward,
-            optimizer_step_bytes=peak.optimizer_step,
-            oom=peak.oom,
-            seconds=time.perf_counter() - start,
-        )
-        if self.bar is not None:
-            self.bar.update(1)
-            status = "OOM" if m.oom else f"{m.peak_bytes / 2**20:,.0f}MiB"
-            self.bar.set_postfix_str(f"{batch_size}x{length}: {status}")
-        logger.debug("probe step %dx%d: %s", batch_size, length, m)
-        return m
-
-    def fits(self, m: Measurement) -> bool:
-        """Whether a measured step stayed under the target (and did not run out of memory)."""
-        return not m.oom and m.peak_bytes <= self.target
-
-    def close(self) -> None:
-        """Close the progress bar."""
-        if self.bar is not None:
-            self.bar.close()
 
 
 def lengths_between(min_len: int, max_len: int, count: int) -> list[int]:
