@@ -49,7 +49,6 @@ setting (or jemalloc / tcmalloc), or raise ``margin``.
 
 from tokenbatch.probe._auto import MEMORY_ENV, AutoBudget, auto_budget, memory_limits, parse_memory
 from tokenbatch.probe._cache import BudgetCache, BudgetKey, default_path, remember_budget
-from tokenbatch.probe._find import ProbeResult, default_memory_limit, find_max_tokens
 from tokenbatch.probe._measure import (
     LossFn,
     MakeBatch,
@@ -66,6 +65,7 @@ from tokenbatch.probe._model import (
     resolve_task,
     stores_attention_scores,
 )
+from tokenbatch.probe._search import ProbeResult, default_memory_limit, find_max_tokens
 
 __all__ = [
     "MEMORY_ENV",
