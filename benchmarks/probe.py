@@ -83,7 +83,7 @@ def serve(spec: dict[str, Any]) -> None:
     import torch
 
     from tokenbatch import CostModel, is_oom
-    from tokenbatch.probe import default_loss, held_bytes, synthetic_batch
+    from tokenbatch.probe._measure import default_loss, held_bytes, synthetic_batch
 
     torch.set_num_threads(1)  # also: no OpenMP thread pool for the forks to inherit
     model = build(spec).train()
@@ -213,7 +213,8 @@ def run_case(case: dict[str, Any], quick: bool, servers: dict[str, TrialServer])
     """
     import torch
 
-    from tokenbatch.probe import MemoryModel, find_max_tokens, measure_peak
+    from tokenbatch.probe import MemoryModel, find_max_tokens
+    from tokenbatch.probe._measure import measure_peak
 
     torch.set_num_threads(1)
     model = build(case)

@@ -10,7 +10,8 @@ from transformers import BertConfig, BertForSequenceClassification, GPT2Config, 
 
 import tokenbatch.probe
 from tokenbatch import CostModel
-from tokenbatch.probe import MemoryModel, find_max_tokens, resolve_task, stores_attention_scores
+from tokenbatch.probe import MemoryModel, find_max_tokens
+from tokenbatch.probe._model import resolve_task, stores_attention_scores
 
 
 def bert(layers: int, **overrides: Any) -> BertConfig:

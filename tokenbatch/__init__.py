@@ -6,15 +6,7 @@ from tokenbatch.lengths import column_lengths, text_lengths
 from tokenbatch.lr import BatchScaledLR, count_batch, global_count, global_token_count
 from tokenbatch.oom import OOMEvent, OOMFallback, RankFailedError, SampleTooLargeError, is_oom
 from tokenbatch.plan import OversizeSampleError
-from tokenbatch.probe import (
-    AutoBudget,
-    BudgetCache,
-    BudgetKey,
-    ProbeResult,
-    auto_budget,
-    find_max_tokens,
-    remember_budget,
-)
+from tokenbatch.probe import auto_budget, find_max_tokens
 from tokenbatch.sampler import TokenBudgetBatchSampler
 from tokenbatch.stats import PlanStats
 from tokenbatch.stream import TokenBudgetStream
@@ -22,16 +14,12 @@ from tokenbatch.stream import TokenBudgetStream
 __version__ = "0.1.0"
 
 __all__ = [
-    "AutoBudget",
     "BatchScaledLR",
-    "BudgetCache",
-    "BudgetKey",
     "CostModel",
     "OOMEvent",
     "OOMFallback",
     "OversizeSampleError",
     "PlanStats",
-    "ProbeResult",
     "RankFailedError",
     "SampleTooLargeError",
     "TokenBudgetBatchSampler",
@@ -45,6 +33,5 @@ __all__ = [
     "global_count",
     "global_token_count",
     "is_oom",
-    "remember_budget",
     "text_lengths",
 ]

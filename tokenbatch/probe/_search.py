@@ -156,7 +156,8 @@ def find_max_tokens(
             module with ``make_batch`` and ``loss_fn``).
         max_len: the longest padded sequence you will train on.
         lengths: your data's lengths, instead of (or besides) ``max_len`` / ``min_len``.
-        memory_limit: bytes; default :func:`default_memory_limit`.
+        memory_limit: bytes; default: on CUDA the free device memory plus what PyTorch
+            already reserved, on CPU ``MemAvailable`` plus what the model and optimizer hold.
         optimizer: the optimizer you will train with; default AdamW. Its state
             is restored afterwards, as are the weights and the RNGs.
         method: ``"fit"`` (measure a grid, fit a cost model) or ``"search"``
