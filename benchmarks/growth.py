@@ -105,8 +105,8 @@ def run(
     **options: Any,
 ) -> dict[str, Any]:
     """``epochs`` epochs from ``start``; batches over ``limit`` run out of memory (None: never)."""
-    from tokenbatch import OOMFallback, TokenBudgetBatchSampler, remember_budget
-    from tokenbatch.probe import BudgetCache, BudgetKey
+    from tokenbatch import OOMFallback, TokenBudgetBatchSampler
+    from tokenbatch.probe import BudgetCache, BudgetKey, remember_budget
     from tokenbatch.testing import inject_oom
 
     sampler = TokenBudgetBatchSampler(sizes, start, seed=0)

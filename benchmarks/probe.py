@@ -83,7 +83,7 @@ def serve(spec: dict[str, Any]) -> None:
     import torch
 
     from tokenbatch import CostModel, is_oom
-    from tokenbatch.probe import default_loss, held_bytes, synthetic_batch
+    from tokenbatch.probe._measure import default_loss, held_bytes, synthetic_batch
 
     torch.set_num_threads(1)  # also: no OpenMP thread pool for the forks to inherit
     model = build(spec).train()
@@ -213,7 +213,8 @@ def run_case(case: dict[str, Any], quick: bool, servers: dict[str, TrialServer])
     """
     import torch
 
-    from tokenbatch.probe import estimate_memory, find_max_tokens, measure_peak
+    from tokenbatch.probe import MemoryModel, find_max_tokens
+    from tokenbatch.probe._measure import measure_peak
 
     torch.set_num_threads(1)
     model = build(case)
@@ -248,7 +249,7 @@ def run_case(case: dict[str, Any], quick: bool, servers: dict[str, TrialServer])
     row["held_out_shapes"] = shapes
     row["held_out_median_error"] = statistics.median(errors)
     row["held_out_worst_error"] = max(errors)
-    estimate = estimate_memory(model.config, device="cpu", attn_implementation=row["attention"])
+    estimate = MemoryModel.from_config(model.config, device="cpu", attn_implementation=row["attention"])
     row["analytic_over_fit_linear"] = estimate.linear / fit.linear
     row["analytic_over_fit_quadratic"] = estimate.quadratic / fit.quadratic if fit.quadratic else None
     row["analytic_over_fit_sequence_at_max_len"] = float(

@@ -46,7 +46,7 @@ def attention_crossover(config: Any) -> float:
 
     Korthikanti et al. (2022), 16-bit activations. The committed results were run
     with this crossover (218 for all-MiniLM-L6-v2); the example now takes its cost
-    from ``CostModel.from_config`` for the device and precision it runs in.
+    from ``MemoryModel.from_config`` for the device and precision it runs in.
     """
     return float(34.0 * config.hidden_size / (5.0 * config.num_attention_heads))
 

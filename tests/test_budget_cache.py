@@ -4,6 +4,7 @@ import json
 import logging
 import math
 import multiprocessing
+import pkgutil
 import sys
 from pathlib import Path
 
@@ -17,7 +18,8 @@ from cache_writer import write_budgets
 from oom_common import collate, loss_fn, make_rows, quiet, tiny_bert
 
 from tokenbatch import OOMFallback, TokenBudgetBatchSampler
-from tokenbatch.probe import BudgetCache, BudgetKey, default_path, remember_budget
+from tokenbatch.probe import BudgetCache, BudgetKey, remember_budget
+from tokenbatch.probe._cache import default_path
 from tokenbatch.testing import inject_oom
 
 quiet()
@@ -72,14 +74,15 @@ def test_cache_path_from_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: 
     assert BudgetCache().path == tmp_path / "x.json"
 
 
-def test_the_old_module_path_still_imports() -> None:
+def test_the_cache_lives_in_the_probe_only() -> None:
     import tokenbatch
-    from tokenbatch import budget_cache, probe
+    from tokenbatch import probe
 
-    for name in ("BudgetCache", "BudgetKey", "default_path", "remember_budget"):
-        assert getattr(budget_cache, name) is getattr(probe, name)
+    # Nothing was released, so there is no compatibility module: tokenbatch.probe is the one place.
+    assert "budget_cache" not in {module.name for module in pkgutil.iter_modules(tokenbatch.__path__)}
     for name in ("BudgetCache", "BudgetKey", "remember_budget"):
-        assert getattr(tokenbatch, name) is getattr(probe, name) and name in tokenbatch.__all__
+        assert name in probe.__all__
+        assert not hasattr(tokenbatch, name) and name not in tokenbatch.__all__
 
 
 def test_a_truncated_cache_does_not_stop_training(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:

@@ -20,8 +20,9 @@ import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from tokenbatch import CostModel, OOMFallback, TokenBudgetBatchSampler
+from tokenbatch import OOMFallback, TokenBudgetBatchSampler
 from tokenbatch.integrations.accelerate import finish, gather_samples, progress, token_cost
+from tokenbatch.probe import MemoryModel
 from tokenbatch.testing import inject_oom
 
 REPO = Path(__file__).resolve().parents[1]
@@ -249,7 +250,9 @@ def test_token_cost_is_from_config_for_the_run_in_token_units(
     config = BertConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128)
     run = SimpleNamespace(mixed_precision=precision, device=torch.device(device))
     cost = token_cost(run, config, task="sequence-classification", pad_to_multiple_of=8)  # type: ignore[arg-type]
-    exact = CostModel.from_config(config, dtype=dtype, device=device, task="sequence-classification")
+    exact = MemoryModel.from_config(
+        config, dtype=dtype, device=device, task="sequence-classification"
+    ).cost_model()
     assert cost.linear == 1.0 and cost.pad_to_multiple_of == 8
     assert cost.quadratic == pytest.approx(exact.quadratic / exact.linear)
     assert cost.per_sample == pytest.approx(exact.per_sample / exact.linear) and cost.per_sample > 0

@@ -8,20 +8,19 @@ import pytest
 import torch
 from transformers import BertConfig, BertForSequenceClassification, GPT2Config, LlamaConfig, T5Config
 
+import tokenbatch.probe
 from tokenbatch import CostModel
-from tokenbatch.probe import (
-    MemoryEstimate,
-    MemoryFit,
-    MemoryModel,
-    estimate_memory,
-    find_max_tokens,
-    resolve_task,
-    stores_attention_scores,
-)
+from tokenbatch.probe import MemoryModel, find_max_tokens
+from tokenbatch.probe._model import resolve_task, stores_attention_scores
 
 
 def bert(layers: int, **overrides: Any) -> BertConfig:
     return BertConfig(num_hidden_layers=layers, **overrides)
+
+
+def cost(config: Any, **options: Any) -> CostModel:
+    """The batch-dependent terms of the analytic estimate, the one way to get them from a config."""
+    return MemoryModel.from_config(config, **options).cost_model()
 
 
 def per_layer(dtype: torch.dtype, device: str, attn: str, **overrides: Any) -> tuple[float, float]:
@@ -58,18 +57,18 @@ def test_which_implementations_store_the_scores() -> None:
     assert not stores_attention_scores("sdpa", device="cpu", attention_dropout=0.0)
     assert not stores_attention_scores("sdpa", device="cpu", training=False, attention_dropout=0.1)
     # Only the padding mask stays quadratic without stored scores, once per model, not per layer.
-    flash = CostModel.from_config(BertConfig(), attn_implementation="flash_attention_2", dtype=torch.bfloat16)
-    sdpa = CostModel.from_config(BertConfig(), attn_implementation="sdpa", dtype=torch.bfloat16)
-    eager = CostModel.from_config(BertConfig(), attn_implementation="eager", dtype=torch.bfloat16)
+    flash = cost(BertConfig(), attn_implementation="flash_attention_2", dtype=torch.bfloat16)
+    sdpa = cost(BertConfig(), attn_implementation="sdpa", dtype=torch.bfloat16)
+    eager = cost(BertConfig(), attn_implementation="eager", dtype=torch.bfloat16)
     assert flash.quadratic == 0 and sdpa.quadratic == 3 and eager.quadratic == 12 * 5 * 12 + 2
 
 
 def test_from_config_reads_attn_implementation_and_defaults_to_sdpa() -> None:
     config = BertConfig()
-    assert CostModel.from_config(config) == CostModel.from_config(config, attn_implementation="sdpa")
+    assert cost(config) == cost(config, attn_implementation="sdpa")
     config._attn_implementation = "eager"
-    assert CostModel.from_config(config) == CostModel.from_config(config, attn_implementation="eager")
-    assert CostModel.from_config(config, pad_to_multiple_of=8).pad_to_multiple_of == 8
+    assert cost(config) == cost(config, attn_implementation="eager")
+    assert cost(config, pad_to_multiple_of=8).pad_to_multiple_of == 8
 
 
 def test_inference_needs_far_less_than_training() -> None:
@@ -102,7 +101,7 @@ def test_errors_name_the_argument() -> None:
     with pytest.raises(ValueError, match="encoder-decoder"):
         MemoryModel.from_config(T5Config())
     with pytest.raises(ValueError, match="attn_implementation should be one of"):
-        CostModel.from_config(BertConfig(), attn_implementation="fast")
+        MemoryModel.from_config(BertConfig(), attn_implementation="fast")
     with pytest.raises(ValueError, match="device should be one of"):
         MemoryModel.from_config(BertConfig(), device="mps")
     with pytest.raises(ValueError, match="no room for activations"):
@@ -135,13 +134,12 @@ def test_estimate_is_within_15_percent_of_the_measured_fit() -> None:
 def test_the_estimate_is_the_cost_model_plus_the_constant() -> None:
     config = GPT2Config(n_layer=2)
     model = MemoryModel.from_config(config, dtype=torch.bfloat16, pad_to_multiple_of=8)
-    # The cost model's analytic terms are the memory model's, from the same formula.
-    assert model.cost_model() == CostModel.from_config(config, dtype=torch.bfloat16, pad_to_multiple_of=8)
+    # The cost model is the memory model's batch-dependent terms; the constant stays outside it.
+    assert model.cost_model() == CostModel(model.linear, model.quadratic, model.per_sample, 8)
     assert model.step_peak == 0 and model.predict(2, 10) == model.constant + model.cost_model().cost(2, 10)
-    # The earlier names are the same type and function.
-    assert MemoryFit is MemoryModel and MemoryEstimate is MemoryModel
-    assert estimate_memory(config, dtype=torch.bfloat16) == MemoryModel.from_config(
-        config, dtype=torch.bfloat16
-    )
+    # MemoryModel.from_config is the one entry point: the earlier ones are gone, not aliased.
+    assert not hasattr(CostModel, "from_config")
+    for name in ("estimate_memory", "MemoryEstimate", "MemoryFit"):
+        assert not hasattr(tokenbatch.probe, name)
     with pytest.raises(ValueError, match="pad_to_multiple_of should be"):
         MemoryModel.from_config(config, pad_to_multiple_of=0)

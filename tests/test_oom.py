@@ -16,8 +16,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
 
 from oom_common import collate, flat_params, loss_fn, make_rows, quiet, tiny_bert
 
-from tokenbatch import OOMFallback, SampleTooLargeError, TokenBudgetBatchSampler, remember_budget
-from tokenbatch.probe import BudgetCache, BudgetKey
+from tokenbatch import OOMFallback, SampleTooLargeError, TokenBudgetBatchSampler
+from tokenbatch.probe import BudgetCache, BudgetKey, remember_budget
 from tokenbatch.testing import inject_oom
 
 quiet()

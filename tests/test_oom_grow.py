@@ -21,11 +21,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch.utils.data import DataLoader
 
-from tokenbatch import OOMFallback, TokenBudgetBatchSampler, remember_budget
+from tokenbatch import OOMFallback, TokenBudgetBatchSampler
 from tokenbatch.oom import Grow, GrowEvent, OOMEvent, _grow
-from tokenbatch.oom._grow import BudgetSearch
-from tokenbatch.oom._grow import peak_budget
-from tokenbatch.probe import BudgetCache, BudgetKey
+from tokenbatch.oom._grow import BudgetSearch, peak_budget
+from tokenbatch.probe import BudgetCache, BudgetKey, remember_budget
 from tokenbatch.testing import inject_oom
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -18,7 +18,9 @@ import torch
 from transformers import BertConfig, BertForSequenceClassification
 
 from tokenbatch import CostModel
-from tokenbatch.probe import Measurement, MemoryModel, ProbeResult, find_max_tokens, fit_memory, measure_peak
+from tokenbatch.probe import Measurement, MemoryModel, ProbeResult, find_max_tokens
+from tokenbatch.probe._measure import measure_peak
+from tokenbatch.probe._model import fit_memory
 
 MiB = 2**20
 #: The data the shared fit probes for: its longest (128) and shortest (12) sequence set the range.

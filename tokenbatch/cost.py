@@ -1,16 +1,13 @@
-"""The memory estimate that a token budget is measured in."""
+"""The units a token budget is counted in: the cost of one padded batch."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, overload
+from typing import overload
 
 import numpy as np
 
-from tokenbatch import _analytic, _checks
-
-if TYPE_CHECKING:
-    import torch
+from tokenbatch import _checks
 
 
 @dataclass(frozen=True)
@@ -21,7 +18,9 @@ class CostModel:
     where ``L`` is ``max_len`` rounded up to ``pad_to_multiple_of``. With the
     defaults the cost is simply the number of padded tokens; a positive
     ``quadratic`` term models attention scores, which grow with the square of
-    the length.
+    the length. For bytes estimated from a transformers config, use
+    ``tokenbatch.probe.MemoryModel.from_config(config).cost_model()`` (or
+    ``.token_cost()`` for the same shape in token units).
 
     Args:
         linear: cost per padded token (activations that grow with length).
@@ -76,59 +75,6 @@ class CostModel:
         """
         crossover = _checks.positive_number("crossover", crossover)
         return cls(linear=1.0, quadratic=1.0 / crossover, pad_to_multiple_of=pad_to_multiple_of)
-
-    @classmethod
-    def from_config(
-        cls,
-        config: Any,
-        *,
-        dtype: torch.dtype | None = None,
-        training: bool = True,
-        attn_implementation: str | None = None,
-        device: str = "cuda",
-        task: str = "auto",
-        pad_to_multiple_of: int = 1,
-    ) -> CostModel:
-        """Activation memory in bytes of a transformers encoder or decoder, from its config.
-
-        ``linear`` is bytes per padded token, ``quadratic`` bytes per pair of
-        tokens (the ``L x L`` attention scores, stored only by eager attention
-        and by CPU sdpa with attention dropout), ``per_sample`` bytes per
-        sequence. Weights and optimizer state are not included: derive the
-        budget as ``free_memory - weights_and_optimizer_state`` bytes, or use
-        :meth:`tokenbatch.probe.MemoryModel.from_config`, which returns that
-        constant too. The formula (Korthikanti et al. 2022, adjusted for
-        fp32, for CPU dropout masks and for fused attention) and its sources
-        are in ``tokenbatch/_analytic.py``; :func:`tokenbatch.find_max_tokens`
-        measures instead of estimating.
-
-        Args:
-            config: a ``transformers.PretrainedConfig`` (BERT, GPT-2, Llama, ... families).
-            dtype: dtype of the activations; default ``torch.float32``.
-            training: forward + backward (``True``) or a no-grad forward.
-            attn_implementation: ``"eager"``, ``"sdpa"``, ``"flash_attention_2"``, ...;
-                ``None`` reads ``config._attn_implementation`` (``"sdpa"`` when unset).
-            device: ``"cuda"`` or ``"cpu"``.
-            task: which head: ``"auto"``, ``"base"``, ``"sequence-classification"``,
-                ``"token-classification"``, ``"masked-lm"``, ``"causal-lm"``.
-            pad_to_multiple_of: the collator's padding multiple.
-
-        Example:
-            >>> from transformers import BertConfig
-            >>> eager = CostModel.from_config(BertConfig(), attn_implementation="eager")
-            >>> flash = CostModel.from_config(BertConfig(), attn_implementation="flash_attention_2")
-            >>> eager.quadratic > 0, flash.quadratic
-            (True, 0.0)
-        """
-        terms = _analytic.memory_terms(
-            config,
-            dtype=dtype,
-            training=training,
-            attn_implementation=attn_implementation,
-            device=device,
-            task=task,
-        )
-        return cls(terms.linear, terms.quadratic, terms.per_sample, pad_to_multiple_of)
 
     def padded_length(self, max_len: np.ndarray | int) -> np.ndarray | int:
         """``max_len`` rounded up to ``pad_to_multiple_of``."""

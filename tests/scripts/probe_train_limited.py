@@ -73,7 +73,7 @@ def main() -> None:
     from transformers import BertConfig, BertForSequenceClassification
 
     from tokenbatch import CostModel, TokenBudgetBatchSampler, is_oom
-    from tokenbatch.probe import held_bytes
+    from tokenbatch.probe._measure import held_bytes
 
     spec = json.loads(sys.argv[1])
     torch.set_num_threads(1)  # also: no OpenMP thread pool to break in the forks

@@ -14,7 +14,7 @@ import re
 import sys
 from typing import Any
 
-from tokenbatch.probe import TASKS
+from tokenbatch.probe._model import TASKS
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
 _TASK_CLASSES = {
@@ -79,7 +79,7 @@ def _load_model(args: argparse.Namespace) -> Any:
     import torch
     import transformers
 
-    from tokenbatch.probe import resolve_task
+    from tokenbatch.probe._model import resolve_task
 
     config = transformers.AutoConfig.from_pretrained(args.model)
     task = resolve_task(config, args.task)

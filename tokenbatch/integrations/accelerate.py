@@ -67,13 +67,14 @@ T = TypeVar("T")
 def token_cost(
     accelerator: Accelerator, config: Any, *, task: str = "auto", pad_to_multiple_of: int = 1
 ) -> CostModel:
-    """:meth:`CostModel.from_config <tokenbatch.CostModel.from_config>` for the device and mixed
-    precision ``accelerator`` trains in, scaled to token units (``linear = 1``).
+    """The cost of a batch for ``config`` on the device and mixed precision ``accelerator`` trains in.
 
-    A budget then stays a number of padded tokens, and a long sequence costs
-    more in proportion to the attention scores its model keeps: eager
-    attention and CPU sdpa with attention dropout store them, fused kernels on
-    CUDA hardly anything. ``task`` names the head, as for ``from_config``.
+    It is the analytic estimate, :meth:`tokenbatch.probe.MemoryModel.from_config`,
+    in token units (its ``token_cost()``, ``linear = 1``). A budget then stays
+    a number of padded tokens, and a long sequence costs more in proportion to
+    the attention scores its model keeps: eager attention and CPU sdpa with
+    attention dropout store them, fused kernels on CUDA hardly anything.
+    ``task`` names the head, as for ``from_config``.
 
     Example:
         >>> from accelerate import Accelerator

@@ -1,104 +1,60 @@
 """Find the token budget that fits your model on your device, by measuring before training.
 
-Two ways, both running real forward + backward + optimizer steps on synthetic
-worst-case batches (every sequence as long as the batch's longest):
-
-* ``method="fit"`` (default): measure peak memory over a grid of (batch size,
-  length) shapes sized near the limit, fit ``constant + B*(linear*L +
-  quadratic*L**2 + per_sample)`` by least squares, and take the budget that
-  keeps the predicted peak under ``(1 - margin) * memory_limit``; then run
-  the worst batches that budget allows (longest and shortest sequences) and
-  shrink it if any measures above. Gives a cost model as well as a budget.
-* ``method="search"``: for a cost model you choose, double the budget until
-  a worst-case batch no longer fits, then bisect. No model of memory, more steps.
-
-The model, the optimizer and every random number generator are restored
-afterwards, whatever happens. Probe the bare model in one process (not a
-DDP-wrapped one); the budget is per device.
-
-One :class:`MemoryModel` describes peak memory, whether :func:`fit_memory`
-fitted it to measured steps (``result.fit``) or :meth:`MemoryModel.from_config`
-estimated it from a transformers config without running anything.
-
-What was found is worth keeping: :class:`BudgetCache` is a small JSON file of
-budgets that worked, keyed by :class:`BudgetKey` (model, device and memory,
-dtype, world size); ``tokenbatch probe --write-cache`` stores what it measured,
-and :func:`remember_budget` starts an OOM fallback from the cached budget and
-records each budget it falls back to.
-
-``max_tokens="auto"`` puts it together: :func:`auto_budget` gives a sampler made
-with it the remembered budget, else the probe's (see docs/trainer.md).
-
-Typical use, before building the sampler::
+:func:`find_max_tokens` runs real forward + backward + optimizer steps on
+synthetic worst-case batches (every sequence as long as the batch's longest)
+and returns a :class:`ProbeResult`. With ``method="fit"`` (the default) it
+fits a :class:`MemoryModel` to the measured peaks and checks the budget on the
+worst batches it allows; ``method="search"`` doubles then bisects the budget
+of a cost model you choose. The model, the optimizer and every random number
+generator are restored afterwards. Probe the bare model in one process (not a
+DDP-wrapped one); the budget is per device::
 
     result = find_max_tokens(model, lengths=lengths, memory_limit=8 * 2**30)
     sampler = TokenBudgetBatchSampler(lengths, result.max_tokens, cost=result.cost)
 
-How peak memory is measured:
+:class:`MemoryModel` is the one memory model: fitted to measured steps
+(``result.fit``) or estimated from a transformers config without running
+anything (:meth:`MemoryModel.from_config`, whose ``.cost_model()`` and
+``.token_cost()`` are a :class:`~tokenbatch.CostModel`).
 
-* CUDA: ``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats``,
-  the allocator's own high-water mark of tensor bytes.
-* CPU: the torch profiler's memory accounting (``profile_memory=True``),
-  which reports every allocation and free of PyTorch's CPU allocator with its
-  exact size; the running sum's maximum is the CPU twin of CUDA's statistic,
-  added to the bytes already held (weights, buffers, optimizer state). We do
-  not use the process's peak RSS: glibc keeps freed heap pages resident, so
-  in one process a later, smaller step shows no growth at all, and a fresh
-  subprocess per shape costs seconds of interpreter and torch start-up and
-  still counts the allocator's retained pages. Memory outside PyTorch's
-  allocator (the interpreter, libraries, glibc's own fragmentation) is not
-  counted; the probe's safety margin is there for it.
+A budget that worked is worth keeping: :class:`BudgetCache` is a small JSON
+file of budgets keyed by :class:`BudgetKey` (model, device and memory, dtype,
+world size); ``tokenbatch probe --write-cache`` stores what it measured, and
+:func:`remember_budget` starts an OOM fallback from the cached budget and
+records each budget it falls back to. ``max_tokens="auto"`` puts it together:
+:func:`auto_budget` gives a sampler made with it the remembered budget, else
+the probe's (see docs/trainer.md).
 
-On CPU, what the operating system sees can be well above the tensor bytes:
-glibc's malloc serves blocks below its sliding mmap threshold (up to 32 MiB)
-from a heap that it rarely gives back, so freed activations leave holes. In
-``benchmarks/probe.py`` a tiny BERT under ``RLIMIT_AS`` fitted only about 0.63
-of the probe's budget with glibc's defaults, and 1.07 of it (the margin at
-work) with ``MALLOC_MMAP_THRESHOLD_=65536``, which gives every tensor of 64
-KiB or more its own mapping, returned when freed. Train on CPU with that
-setting (or jemalloc / tcmalloc), or raise ``margin``.
-
-Each step is measured in two phases, forward + backward and then optimizer
-step + ``zero_grad``, because their peaks behave differently: the first grows
-with the batch, the second is a constant (gradients plus optimizer state)
-that dominates only for tiny batches.
+On CPU the probe counts PyTorch's tensor bytes (the torch profiler's memory
+accounting; on CUDA the allocator's peak statistics), and what the operating
+system sees can be well above them: glibc's malloc serves blocks below its
+sliding mmap threshold (up to 32 MiB) from a heap that it rarely gives back,
+so freed activations leave holes. In ``benchmarks/probe.py`` a tiny BERT under
+``RLIMIT_AS`` fitted only about 0.63 of the probe's budget with glibc's
+defaults, and 1.07 of it (the margin at work) with
+``MALLOC_MMAP_THRESHOLD_=65536``, which gives every tensor of 64 KiB or more
+its own mapping, returned when freed. Train on CPU with that setting (or
+jemalloc / tcmalloc), or raise ``margin``.
 """
 
-from tokenbatch._analytic import TASKS, resolve_task, stores_attention_scores
-from tokenbatch.probe._auto import MEMORY_ENV, AutoBudget, auto_budget, memory_limits, parse_memory
-from tokenbatch.probe._cache import BudgetCache, BudgetKey, default_path, remember_budget
-from tokenbatch.probe._find import ProbeResult, default_memory_limit, find_max_tokens, measure_peak
-from tokenbatch.probe._fit import Measurement, fit_memory
-from tokenbatch.probe._measure import held_bytes
-from tokenbatch.probe._model import MemoryEstimate, MemoryFit, MemoryModel, estimate_memory
-from tokenbatch.probe._synthetic import LossFn, MakeBatch, default_loss, synthetic_batch
+from tokenbatch.probe._auto import AutoBudget, auto_budget, parse_memory
+from tokenbatch.probe._cache import BudgetCache, BudgetKey, remember_budget
+from tokenbatch.probe._measure import synthetic_batch
+from tokenbatch.probe._model import Measurement, MemoryModel
+from tokenbatch.probe._search import ProbeResult, find_max_tokens
 
 __all__ = [
-    "MEMORY_ENV",
-    "TASKS",
     "AutoBudget",
     "BudgetCache",
     "BudgetKey",
-    "LossFn",
-    "MakeBatch",
     "Measurement",
-    "MemoryEstimate",
-    "MemoryFit",
     "MemoryModel",
     "ProbeResult",
     "auto_budget",
-    "default_loss",
-    "default_memory_limit",
-    "default_path",
-    "estimate_memory",
     "find_max_tokens",
-    "fit_memory",
-    "held_bytes",
-    "measure_peak",
-    "memory_limits",
+    # Public while examples/emotion/train.py uses them: to parse --memory_limit, and to build the
+    # probe's batches for the encoder it wraps.
     "parse_memory",
     "remember_budget",
-    "resolve_task",
-    "stores_attention_scores",
     "synthetic_batch",
 ]

@@ -23,10 +23,9 @@ import torch
 from tokenbatch import _checks, distributed
 from tokenbatch.cost import CostModel
 from tokenbatch.probe._cache import BudgetCache, BudgetKey
-from tokenbatch.probe._find import ProbeResult, default_memory_limit, find_max_tokens
-from tokenbatch.probe._measure import held_bytes, model_device
+from tokenbatch.probe._measure import LossFn, MakeBatch, held_bytes, model_device
 from tokenbatch.probe._model import MemoryModel, check_margin
-from tokenbatch.probe._synthetic import LossFn, MakeBatch
+from tokenbatch.probe._search import ProbeResult, default_memory_limit, find_max_tokens
 from tokenbatch.sampler import TokenBudgetBatchSampler
 
 logger = logging.getLogger(__name__)

@@ -1,17 +1,41 @@
-"""One measured training step for the probe: the peaks of its two phases, state kept intact.
+"""Measuring one training step: its peak memory on a worst-case batch, with the model's state kept intact.
 
-How the peaks are measured, and why so (CUDA allocator statistics, the torch
-profiler's memory accounting on CPU, two phases per step), is told in the
-docstring of :mod:`tokenbatch.probe`, where users read it.
+The probe trains on synthetic worst-case batches (:func:`synthetic_batch`:
+every sequence as long as the batch's longest) and measures each step's peak
+in two phases, forward + backward and then optimizer step + ``zero_grad``,
+because their peaks behave differently: the first grows with the batch, the
+second is a constant (gradients plus optimizer state) that dominates only for
+tiny batches.
+
+How the peaks are measured, and why so:
+
+* CUDA: ``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats``,
+  the allocator's own high-water mark of tensor bytes.
+* CPU: the torch profiler's memory accounting (``profile_memory=True``),
+  which reports every allocation and free of PyTorch's CPU allocator with its
+  exact size; the running sum's maximum is the CPU twin of CUDA's statistic,
+  added to the bytes already held (weights, buffers, optimizer state). We do
+  not use the process's peak RSS: glibc keeps freed heap pages resident, so
+  in one process a later, smaller step shows no growth at all, and a fresh
+  subprocess per shape costs seconds of interpreter and torch start-up and
+  still counts the allocator's retained pages. Memory outside PyTorch's
+  allocator (the interpreter, libraries, glibc's own fragmentation) is not
+  counted; the probe's safety margin is there for it.
+
+What the operating system sees on CPU can be well above these tensor bytes
+(glibc's heap); the advice for that is in :mod:`tokenbatch.probe`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import gc
+import logging
+import math
 import os
 import random
 import sys
+import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -19,8 +43,77 @@ from typing import Any
 import numpy as np
 import torch
 
+from tokenbatch import _checks
 from tokenbatch.oom import is_oom
-from tokenbatch.probe._synthetic import LossFn, MakeBatch, default_loss, synthetic_batch
+from tokenbatch.probe._model import Measurement
+
+logger = logging.getLogger(__name__)
+
+MakeBatch = Callable[[int, int, torch.Generator], Any]
+LossFn = Callable[[Any, Any], torch.Tensor]
+
+
+def synthetic_batch(
+    model: torch.nn.Module, batch_size: int, length: int, generator: torch.Generator
+) -> dict[str, torch.Tensor]:
+    """A worst-case batch for a transformers model: ``batch_size`` sequences all ``length`` tokens long.
+
+    The last sequence ends one pad token early, so the attention mask is a
+    real padding mask (transformers drops an all-ones mask, which would let
+    sdpa pick a kernel that padded batches never get). Labels follow the
+    head named by the class: sequence or token classification, masked or
+    causal LM; other models get none and the probe's loss is the mean output.
+
+    Raises:
+        ValueError: the model has no ``config.vocab_size`` (pass ``make_batch``),
+            or ``length`` exceeds ``config.max_position_embeddings``.
+    """
+    config = getattr(model, "config", None)
+    vocab = getattr(config, "vocab_size", None)
+    if not vocab:
+        raise ValueError(
+            f"{type(model).__name__} has no config.vocab_size to draw synthetic token ids from; "
+            f"pass make_batch=lambda batch_size, length, generator: {{...}} that builds a batch"
+        )
+    limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    if limit is not None and length > limit:
+        raise ValueError(
+            f"length={length} exceeds the model's max_position_embeddings={limit}; "
+            f"probe with max_len <= {limit} (truncate your data to it)"
+        )
+    ids = torch.randint(0, int(vocab), (batch_size, length), generator=generator)
+    mask = torch.ones(batch_size, length, dtype=torch.long)
+    if length > 1:
+        mask[-1, -1] = 0
+    batch = {"input_ids": ids, "attention_mask": mask}
+    name = type(model).__name__
+    num_labels = int(getattr(config, "num_labels", 2))
+    if name.endswith("ForSequenceClassification"):
+        batch["labels"] = (
+            torch.zeros(batch_size) if num_labels == 1 else torch.zeros(batch_size, dtype=torch.long)
+        )
+    elif name.endswith("ForTokenClassification"):
+        batch["labels"] = torch.zeros(batch_size, length, dtype=torch.long)
+    elif name.endswith(("ForMaskedLM", "ForCausalLM", "LMHeadModel")):
+        batch["labels"] = ids.clone()
+    return batch
+
+
+def default_loss(output: Any, batch: Any) -> torch.Tensor:
+    """``output.loss`` when the model computed one, else the mean of its first floating output."""
+    loss = getattr(output, "loss", None)
+    if isinstance(loss, torch.Tensor):
+        return loss
+    values = output.values() if isinstance(output, Mapping) else output
+    if isinstance(values, torch.Tensor):
+        return values.float().mean()
+    for value in values:
+        if isinstance(value, torch.Tensor) and value.is_floating_point():
+            return value.float().mean()
+    raise ValueError(
+        f"cannot make a loss from the model's output of type {type(output).__name__}; "
+        f"pass loss_fn=lambda output, batch: ... returning a scalar tensor"
+    )
 
 
 @dataclass(frozen=True)
@@ -248,3 +341,76 @@ class ProbeStep:
 def _batch_bytes(batch: Any) -> int:
     values = batch.values() if isinstance(batch, Mapping) else batch
     return sum(v.untyped_storage().nbytes() for v in values if isinstance(v, torch.Tensor))
+
+
+class Prober:
+    """Measures steps, records them and drives the progress bar."""
+
+    def __init__(self, runner: ProbeStep, target: float, progress: bool) -> None:
+        self.runner, self.target = runner, target
+        self.bar: Any = None
+        self.steps = 0
+        if progress:
+            try:
+                from tqdm.auto import tqdm
+
+                self.bar = tqdm(desc="tokenbatch probe", unit="step")
+            except ImportError:
+                logger.info("install tqdm for a progress bar")
+
+    def measure(self, batch_size: int, length: int) -> Measurement:
+        """Run and measure one step of ``batch_size`` sequences of ``length`` tokens."""
+        start = time.perf_counter()
+        peak = self.runner.run(batch_size, length)
+        self.steps += 1
+        m = Measurement(
+            batch_size=batch_size,
+            length=length,
+            peak_bytes=0 if peak.oom else max(peak.forward_backward, peak.optimizer_step),
+            forward_backward_bytes=peak.forward_backward,
+            optimizer_step_bytes=peak.optimizer_step,
+            oom=peak.oom,
+            seconds=time.perf_counter() - start,
+        )
+        if self.bar is not None:
+            self.bar.update(1)
+            status = "OOM" if m.oom else f"{m.peak_bytes / 2**20:,.0f}MiB"
+            self.bar.set_postfix_str(f"{batch_size}x{length}: {status}")
+        logger.debug("probe step %dx%d: %s", batch_size, length, m)
+        return m
+
+    def fits(self, m: Measurement) -> bool:
+        """Whether a measured step stayed under the target (and did not run out of memory)."""
+        return not m.oom and m.peak_bytes <= self.target
+
+    def close(self) -> None:
+        """Close the progress bar."""
+        if self.bar is not None:
+            self.bar.close()
+
+
+def measure_peak(
+    model: torch.nn.Module,
+    batch_size: int,
+    length: int,
+    *,
+    optimizer: torch.optim.Optimizer | None = None,
+    make_batch: MakeBatch | None = None,
+    loss_fn: LossFn | None = None,
+    warmup: bool = True,
+) -> Measurement:
+    """Peak memory of one forward + backward + optimizer step on a worst-case batch; state is restored.
+
+    With ``warmup`` a tiny step runs first, so that the optimizer's state
+    exists as it does in steady-state training.
+    """
+    batch_size = _checks.positive_int("batch_size", batch_size)
+    length = _checks.positive_int("length", length)
+    own_optimizer = optimizer is None
+    if optimizer is None:
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
+    with preserved(model, None if own_optimizer else optimizer):
+        runner = ProbeStep(model, optimizer, make_batch=make_batch, loss_fn=loss_fn)
+        if warmup:
+            runner.run(1, min(length, 8), measure=False)
+        return Prober(runner, math.inf, progress=False).measure(batch_size, length)

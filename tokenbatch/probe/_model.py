@@ -1,22 +1,123 @@
-"""One memory model, ``constant + B * (linear*L + quadratic*L**2 + per_sample)`` bytes, two sources.
+"""One memory model of a training step, ``constant + B * (linear*L + quadratic*L**2 + per_sample)`` bytes.
 
-:meth:`MemoryModel.from_config` estimates the terms from a transformers
-config (the formula is in ``tokenbatch/_analytic.py``, shared with
-:meth:`tokenbatch.CostModel.from_config`); :func:`tokenbatch.probe.fit_memory`
-fits them to measured steps. Either way the same methods turn the model into
-a :class:`~tokenbatch.CostModel` and a budget.
+Two sources give its terms: :meth:`MemoryModel.from_config` estimates them
+from a transformers config without running anything, and :func:`fit_memory`
+fits them to measured steps (:class:`Measurement`, what
+:func:`tokenbatch.probe.find_max_tokens` records). Either way the same
+methods turn the model into a :class:`~tokenbatch.CostModel` and a budget.
+
+The analytic estimate
+---------------------
+
+The estimate counts the bytes autograd keeps alive between forward and
+backward, per layer, following Korthikanti et al. (2022), "Reducing
+Activation Recomputation in Large Transformer Models", section 4.1: with
+16-bit activations, 1-byte dropout masks, no tensor parallelism and no
+recomputation, one layer stores ``s*b*h*(34 + 5*a*s/h)`` bytes for ``b``
+sequences of ``s`` tokens, hidden size ``h`` and ``a`` heads. Spelled out
+with ``e`` bytes per activation element, ``m`` bytes per dropout-mask element
+and intermediate size ``I``, per token and layer:
+
+* attention: the projections' input, q, k, v and the context
+  (``5*e*h``) plus the output dropout mask (``m*h``);
+* MLP: its input (``e*h``), the activation's input and output (``2*e*I``; a
+  gated MLP such as SwiGLU keeps ``4*e*I``) and a dropout mask (``m*h``);
+* two norms, each keeping its input (``2*e*h``);
+* per pair of tokens, eager attention only: the softmax output (``e*a``) and,
+  with attention dropout, its mask and output (``(m + e)*a``).
+
+With ``e = 2``, ``m = 1`` and ``I = 4h`` that is Korthikanti's ``34*h``
+linear and ``5*a`` quadratic bytes. Two corrections from measuring HF BERT
+(:func:`tokenbatch.probe.find_max_tokens`): on CPU, PyTorch's dropout keeps a mask of the
+activation's dtype (``m = e``, the fused 1-byte mask exists only on CUDA), so
+fp32 BERT on CPU keeps ``10*e*h + 2*e*I`` linear and ``3*e*a`` quadratic
+bytes per layer; and the backward pass briefly needs about ``4*e*h`` more per
+token at its start, plus the ``B x 1 x L x L`` attention mask transformers
+builds for padded batches (``e`` bytes per pair for eager, about ``1 + e``
+for sdpa). Measured on tiny and MiniLM-sized BERTs the total is within about
+20% of the probe; use the probe when the number matters.
+
+Which attention implementations store the ``L x L`` scores: ``eager`` always
+does (``attention_probs`` in every layer). ``flash_attention_2``,
+``flash_attention_3``, ``flex_attention`` and ``sdpa`` on CUDA do not: they
+keep q, k, v, the output and a per-row log-sum-exp and recompute the scores
+in backward. ``sdpa`` on CPU uses its fused kernel only without attention
+dropout; training with dropout falls back to the math kernel, which stores
+the scores just like eager.
 """
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, overload
 
 import numpy as np
 import torch
 
-from tokenbatch import _analytic, _checks
+from tokenbatch import _checks
 from tokenbatch.cost import CostModel
+
+FUSED_ATTENTION = ("sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
+ATTENTION_IMPLEMENTATIONS = ("eager", *FUSED_ATTENTION)
+TASKS = ("auto", "base", "sequence-classification", "token-classification", "masked-lm", "causal-lm")
+OPTIMIZER_STATE_BYTES = {"adamw": 8, "adam": 8, "sgd-momentum": 4, "sgd": 0, "none": 0}
+# HF models whose MLP is gated (gate * act(up)) and whose RMSNorm upcasts to fp32 in Python.
+_GATED_MODEL_TYPES = (
+    "llama",
+    "mistral",
+    "mixtral",
+    "qwen2",
+    "qwen3",
+    "gemma",
+    "gemma2",
+    "gemma3",
+    "phi3",
+    "olmo",
+)
+
+
+def _get(config: Any, *names: str, default: Any = None) -> Any:
+    for name in names:
+        value = getattr(config, name, None)
+        if value is not None:
+            return value
+    return default
+
+
+def _dropout(config: Any, *names: str) -> float:
+    return float(_get(config, *names, default=0.0))
+
+
+def resolve_task(config: Any, task: str = "auto") -> str:
+    """``task``, or for ``"auto"`` the head ``config.architectures`` names (else sequence classification)."""
+    task = _checks.one_of("task", task, TASKS)
+    if task != "auto":
+        return task
+    arch = (getattr(config, "architectures", None) or [""])[0]
+    for suffix, name in (
+        ("ForMaskedLM", "masked-lm"),
+        ("ForCausalLM", "causal-lm"),
+        ("LMHeadModel", "causal-lm"),
+        ("ForTokenClassification", "token-classification"),
+    ):
+        if arch.endswith(suffix):
+            return name
+    return "sequence-classification"
+
+
+def stores_attention_scores(
+    attn_implementation: str, *, device: str = "cuda", training: bool = True, attention_dropout: float = 0.0
+) -> bool:
+    """Whether ``attn_implementation`` keeps the ``L x L`` attention scores alive for backward."""
+    attn_implementation = _checks.one_of(
+        "attn_implementation", attn_implementation, ATTENTION_IMPLEMENTATIONS
+    )
+    if attn_implementation == "eager":
+        return True
+    # CPU sdpa has a fused kernel only without dropout; with it, the math kernel keeps the scores.
+    return attn_implementation == "sdpa" and device == "cpu" and training and attention_dropout > 0
 
 
 def check_margin(margin: float) -> float:
@@ -102,23 +203,82 @@ class MemoryModel:
 
         Raises:
             ValueError: an encoder-decoder config, or an unknown option.
+
+        Example:
+            >>> from transformers import BertConfig
+            >>> eager = MemoryModel.from_config(BertConfig(), attn_implementation="eager")
+            >>> flash = MemoryModel.from_config(BertConfig(), attn_implementation="flash_attention_2")
+            >>> eager.cost_model().quadratic > 0, flash.cost_model().quadratic
+            (True, 0.0)
         """
-        terms = _analytic.memory_terms(
-            config,
-            dtype=dtype,
-            training=training,
-            attn_implementation=attn_implementation,
-            device=device,
-            task=task,
-            optimizer=optimizer,
+        if getattr(config, "is_encoder_decoder", False):
+            raise ValueError(
+                f"the analytic estimate handles encoder-only and decoder-only models, but config "
+                f"{type(config).__name__} is an encoder-decoder; measure it with find_max_tokens instead"
+            )
+        device = _checks.one_of("device", str(torch.device(device).type), ("cuda", "cpu"))
+        optimizer = _checks.one_of("optimizer", optimizer, tuple(OPTIMIZER_STATE_BYTES))
+        task = resolve_task(config, task)
+        if attn_implementation is None:
+            attn_implementation = getattr(config, "_attn_implementation", None) or "sdpa"
+        h = int(_get(config, "hidden_size", "n_embd", "d_model", "dim"))
+        n_layers = int(_get(config, "num_hidden_layers", "n_layer", "num_layers", "n_layers"))
+        a = int(_get(config, "num_attention_heads", "n_head", "num_heads", "n_heads"))
+        inter = int(_get(config, "intermediate_size", "n_inner", "ffn_dim", "d_ff", default=4 * h))
+        kv = int(_get(config, "num_key_value_heads", default=a))
+        vocab = int(_get(config, "vocab_size", default=0))
+        p_att = _dropout(config, "attention_probs_dropout_prob", "attn_pdrop", "attention_dropout")
+        p_hid = _dropout(config, "hidden_dropout_prob", "resid_pdrop", "hidden_dropout")
+        gated = getattr(config, "model_type", "") in _GATED_MODEL_TYPES
+        e = torch.empty((), dtype=torch.float32 if dtype is None else dtype).element_size()
+        m = 1 if device == "cuda" else e  # fused bool dropout mask on CUDA; a dtype-sized mask on CPU
+        scores = stores_attention_scores(
+            attn_implementation, device=device, training=training, attention_dropout=p_att
         )
+        kv_width = h * kv // a
+
+        if training:
+            # eager: x, q, k, v (k and v repeated to all heads), the context; fused: x, q, k, v,
+            # the kernel's output and its fp32 log-sum-exp per row and head, the context
+            attention = 5 * e * h if scores else e * (4 * h + 2 * kv_width) + 4 * a
+            mlp = e * h + e * inter * (4 if gated else 2)
+            norms = 2 * e * h + 16 if not gated else 2 * (8 + e) * h
+            masks = 2 * m * h if p_hid > 0 else 0
+            layer_linear = attention + mlp + norms + masks
+            layer_quadratic = a * (e + ((m + e) if p_att > 0 else 0)) if scores else 0
+            embeddings = e * h + (m * h if p_hid > 0 else 0) + 8
+            # + the final hidden state the head keeps, + the backward pass's working set at its start
+            linear = n_layers * layer_linear + embeddings + e * h + 4 * e * h
+            quadratic = float(n_layers * layer_quadratic)
+        else:
+            # No-grad forward: nothing is kept between layers, the peak is one layer's working set.
+            linear = e * (6 * h + (3 if gated else 2) * inter)
+            quadratic = float(2 * e * a) if scores else 0.0
+        # transformers' B x 1 x L x L mask for padded batches (flash attention unpads instead).
+        if attn_implementation == "eager":
+            quadratic += e
+        elif attn_implementation in ("sdpa", "flex_attention"):
+            quadratic += 1 + e
+
+        per_sample = 0.0
+        if task in ("masked-lm", "causal-lm") and vocab:
+            # logits, the fp32 log-softmax the loss keeps, and its gradient at the start of backward
+            linear += vocab * (e + 12) if training else vocab * (e + 4)
+            linear += 3 * e * h if task == "masked-lm" else 0  # BERT's prediction transform
+        elif task == "sequence-classification":
+            per_sample = float(4 * e * h)  # pooler and classifier on one token per sequence
+        elif task == "token-classification":
+            linear += 3 * e * int(_get(config, "num_labels", default=2))
+
+        params = _parameter_count(h, n_layers, inter, kv_width, vocab, config, gated)
+        per_param = e + (e + OPTIMIZER_STATE_BYTES[optimizer] if training else 0)
         return cls(
-            constant=terms.constant,
-            linear=terms.linear,
-            quadratic=terms.quadratic,
-            per_sample=terms.per_sample,
+            constant=float(params * per_param),
+            linear=float(linear),
+            quadratic=quadratic,
+            per_sample=per_sample,
             pad_to_multiple_of=_checks.positive_int("pad_to_multiple_of", pad_to_multiple_of),
-            stores_scores=terms.stores_scores,
+            stores_scores=scores,
         )
 
     def cost_model(self) -> CostModel:
@@ -168,28 +328,92 @@ class MemoryModel:
         return budget
 
 
-#: The fitted and the analytic model were two types; both names stay for code written against them.
-MemoryFit = MemoryModel
-MemoryEstimate = MemoryModel
+def _parameter_count(
+    h: int, n_layers: int, inter: int, kv_width: int, vocab: int, config: Any, gated: bool
+) -> int:
+    """Approximate number of parameters (embeddings, attention, MLP, norms)."""
+    positions = int(_get(config, "max_position_embeddings", "n_positions", default=0))
+    if _get(config, "rope_theta", "rope_parameters") is not None:
+        positions = 0  # rotary embeddings have no weights
+    attention = h * (h + 2 * kv_width) + h * h + 4 * h
+    mlp = h * inter * (3 if gated else 2) + inter + h
+    total = n_layers * (attention + mlp + 4 * h) + (vocab + positions) * h
+    return int(np.int64(total))
 
 
-def estimate_memory(
-    config: Any,
-    *,
-    dtype: torch.dtype = torch.float32,
-    training: bool = True,
-    attn_implementation: str | None = None,
-    device: str = "cuda",
-    task: str = "auto",
-    optimizer: str = "adamw",
-) -> MemoryModel:
-    """:meth:`MemoryModel.from_config` under its earlier name."""
-    return MemoryModel.from_config(
-        config,
-        dtype=dtype,
-        training=training,
-        attn_implementation=attn_implementation,
-        device=device,
-        task=task,
-        optimizer=optimizer,
+@dataclass(frozen=True)
+class Measurement:
+    """Peak memory of one probe step on ``batch_size`` sequences of ``length`` tokens."""
+
+    batch_size: int
+    length: int
+    peak_bytes: int
+    """The step's peak: the larger of the two phases below (0 when it ran out of memory)."""
+    forward_backward_bytes: int
+    optimizer_step_bytes: int
+    oom: bool
+    seconds: float
+
+    @property
+    def tokens(self) -> int:
+        """Padded tokens in the batch."""
+        return self.batch_size * self.length
+
+
+def _nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Non-negative least squares for a handful of columns: the best feasible least-squares
+    solution over every subset of columns (the optimum is one of them, the problem being convex)."""
+    best, best_residual = np.zeros(a.shape[1]), float(np.sum(b * b))
+    for size in range(1, a.shape[1] + 1):
+        for columns in itertools.combinations(range(a.shape[1]), size):
+            sub = a[:, columns]
+            coef, *_ = np.linalg.lstsq(sub, b, rcond=None)
+            if np.any(coef < 0):
+                continue
+            residual = float(np.sum((sub @ coef - b) ** 2))
+            if residual < best_residual:
+                best_residual = residual
+                best = np.zeros(a.shape[1])
+                best[list(columns)] = coef
+    return best
+
+
+def fit_memory(measurements: Sequence[Measurement], *, pad_to_multiple_of: int = 1) -> MemoryModel:
+    """Fit a :class:`MemoryModel` to measurements by non-negative, relative least squares.
+
+    Forward + backward peaks are fitted to ``constant + B*(linear*L + quadratic*L**2 +
+    per_sample)``, each point weighted by ``1 / measured`` so that the fit minimises
+    relative error; ``step_peak`` is the largest optimizer-step peak seen. Runs that
+    ran out of memory are ignored.
+
+    Raises:
+        ValueError: fewer than 4 measured shapes, or fewer than 3 distinct lengths.
+    """
+    pad_to_multiple_of = _checks.positive_int("pad_to_multiple_of", pad_to_multiple_of)
+    ok = [m for m in measurements if not m.oom]
+    shapes = {(m.batch_size, m.length) for m in ok}
+    lengths = {m.length for m in ok}
+    if len(shapes) < 4 or len(lengths) < 3:
+        raise ValueError(
+            f"fitting needs at least 4 measured shapes over at least 3 lengths, but got "
+            f"{len(shapes)} shapes over lengths {sorted(lengths)}; measure more shapes"
+        )
+    b = np.array([m.batch_size for m in ok], dtype=np.float64)
+    padded = CostModel(pad_to_multiple_of=pad_to_multiple_of).padded_length(
+        np.array([m.length for m in ok], dtype=np.int64)
+    )
+    length = np.asarray(padded, dtype=np.float64)
+    y = np.array([m.forward_backward_bytes for m in ok], dtype=np.float64)
+    design = np.stack([np.ones_like(b), b * length, b * length**2, b], axis=1)
+    # Scale columns to comparable magnitudes so lstsq is well conditioned.
+    scale = np.abs(design).max(axis=0)
+    weight = 1.0 / y
+    coef = _nnls(design / scale * weight[:, None], y * weight) / scale
+    return MemoryModel(
+        constant=float(coef[0]),
+        linear=float(coef[1]),
+        quadratic=float(coef[2]),
+        per_sample=float(coef[3]),
+        step_peak=float(max(m.optimizer_step_bytes for m in ok)),
+        pad_to_multiple_of=pad_to_multiple_of,
     )
