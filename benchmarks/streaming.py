@@ -37,8 +37,7 @@ import numpy as np
 
 from benchmarks import common
 from tokenbatch import CostModel, TokenBudgetBatchSampler, TokenBudgetStream
-from tokenbatch.plan import Plan
-from tokenbatch.plan import batch_stats
+from tokenbatch.plan import Plan, batch_stats
 
 BUFFERS = (1_000, 10_000, 100_000)
 THROUGHPUT_GOAL = 500_000  # examples/s at buffer 10k (issue 12)

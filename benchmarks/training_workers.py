@@ -13,14 +13,13 @@ and validation macro-F1 with every text scored once.
 - ``tokenbatch``: the example's loop (``examples/emotion/train.py``): token-budget
   batches under ``OOMFallback``, with ``--lr_scaling`` each step's learning rate
   scaled by its samples against ``--lr_reference`` texts, or with ``--lr_by tokens``
-  by its real tokens against as many texts of mean length (``tokenbatch.BatchScaledLR``);
+  by its real tokens against as many texts of mean length (``OOMFallback(lr_scaling=...)``);
 - ``throughput``: both batchings in alternating chunks of one run.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import sys
@@ -35,7 +34,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from benchmarks.validation_points import ValidationPoints
-from tokenbatch import BatchScaledLR, CostModel, OOMFallback, TokenBudgetBatchSampler, column_lengths
+from tokenbatch import CostModel, OOMFallback, TokenBudgetBatchSampler, column_lengths
 from tokenbatch.integrations.accelerate import finish, gather_samples
 
 MAX_LENGTH = 512
@@ -238,11 +237,13 @@ def train_tokenbatch(args: argparse.Namespace, accelerator: Accelerator) -> dict
     model, optimizer, train_loader, eval_loader = accelerator.prepare(
         model, optimizer, train_loader, eval_loader
     )
-    fallback = OOMFallback(sampler, model, accelerator=accelerator, mode=args.oom_mode or "split")
-    # Unset: no scaling object at all, so the unscaled arms run exactly the loop they always ran.
+    # Unset: no scaling at all, so the unscaled arms run exactly the loop they always ran.
     by = args.lr_by or "samples"  # by tokens, the reference is as many texts of the mean length
     reference = (args.lr_reference or 1) * (float(column_lengths(train).mean()) if by == "tokens" else 1)
-    scaling = args.lr_scaling and BatchScaledLR(optimizer, reference=reference, by=by, rule=args.lr_scaling)
+    scaling = {}
+    if args.lr_scaling:
+        scaling = {"lr_scaling": args.lr_scaling, "lr_scaling_by": by, "lr_reference": reference}
+    fallback = OOMFallback(sampler, model, accelerator=accelerator, mode=args.oom_mode or "split", **scaling)
     results: dict[str, Any] = {"epochs": [], "world_size": accelerator.num_processes, "crossover": crossover}
     points = validation_points(args, len(train_loader), model, eval_loader, accelerator)
     for epoch in range(args.num_epochs):
@@ -253,10 +254,11 @@ def train_tokenbatch(args: argparse.Namespace, accelerator: Accelerator) -> dict
         for batch in fallback.iterate(train_loader):
             loss = fallback.backward(batch, lambda b: model(**b)[0])
             if loss is not None:  # None: this step hit OOM in halve mode and is re-planned
-                applied = scaling and scaling.applied(scaling.step_size(batch))
-                with applied or contextlib.nullcontext(1.0) as scale:
+                if scaling:  # the step's rate, scaled by its real tokens on all processes
+                    scales.append(fallback.step(optimizer))
+                else:
                     optimizer.step()
-                scales.append(scale)
+                    scales.append(1.0)
                 optimizer.zero_grad()
                 loss_sum += float(loss)
                 steps += 1

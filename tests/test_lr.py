@@ -20,8 +20,8 @@ from torch.optim.lr_scheduler import CosineAnnealingLR, LambdaLR, LRScheduler, S
 from transformers import BatchEncoding
 
 import tokenbatch
-from tokenbatch import BatchScaledLR, count_batch, global_count, global_token_count
 from tokenbatch import lr as lr_module
+from tokenbatch._lr import BatchScaledLR, count_batch, global_count, global_token_count
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "tests" / "scripts" / "lr_global.py"

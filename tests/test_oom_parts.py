@@ -8,8 +8,8 @@ import torch
 
 from tokenbatch import CostModel, SampleTooLargeError, TokenBudgetBatchSampler, is_oom
 from tokenbatch.oom import OOMFallback
-from tokenbatch.oom._step import Outcome, Phase, next_event, pack, unpack
 from tokenbatch.oom._split import inspect_batch, plan_micro_batches, split_batch, take_rows
+from tokenbatch.oom._step import Outcome, Phase, next_event, pack, unpack
 
 CPU_OOM = (
     "[enforce fail at alloc_cpu.cpp:127] DefaultCPUAllocator: can't allocate memory: you tried to allocate 8"

@@ -10,8 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tokenbatch import CostModel, TokenBudgetBatchSampler
-from tokenbatch.plan import Plan
-from tokenbatch.plan import PlanStats, batch_stats, lower_bound_steps
+from tokenbatch.plan import Plan, PlanStats, batch_stats, lower_bound_steps
 
 
 @st.composite

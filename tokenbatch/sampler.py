@@ -28,7 +28,8 @@ from typing import Any
 import numpy as np
 from torch.utils.data import Sampler
 
-from tokenbatch import _accelerate, _checks, distributed
+from tokenbatch import _accelerate, _checks
+from tokenbatch import _distributed as distributed
 from tokenbatch.cost import CostModel
 from tokenbatch.plan import (
     History,

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from tokenbatch import distributed
+from tokenbatch import _distributed as distributed
 
 
 class FlakyAdam(torch.optim.Adam):

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from tokenbatch import BatchScaledLR, count_batch, global_count, global_token_count
+from tokenbatch._lr import BatchScaledLR, count_batch, global_count, global_token_count
 
 MASKS = {
     0: [[[1, 1, 1], [1, 1, 0], [1, 1, 0]]],  # one batch: 3 texts, 7 tokens

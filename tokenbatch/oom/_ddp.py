@@ -49,7 +49,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.hooks import RemovableHandle
 
-from tokenbatch import distributed
+from tokenbatch import _distributed as distributed
 from tokenbatch.oom._errors import free_memory, is_oom
 
 

@@ -30,7 +30,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from tokenbatch import _checks, distributed
+from tokenbatch import _checks
+from tokenbatch import _distributed as distributed
 from tokenbatch.cost import CostModel
 from tokenbatch.oom._ddp import DDPSync
 from tokenbatch.oom._errors import OOMEvent, SampleTooLargeError, free_memory, is_oom

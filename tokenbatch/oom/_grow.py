@@ -40,7 +40,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from tokenbatch import _checks, distributed
+from tokenbatch import _checks
+from tokenbatch import _distributed as distributed
 from tokenbatch.oom._errors import OOMEvent
 from tokenbatch.oom._split import BatchShape, plan_micro_batches
 from tokenbatch.oom._step import Outcome

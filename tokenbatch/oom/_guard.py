@@ -33,7 +33,9 @@ from typing import Any, Generic, TypeVar
 import torch
 from torch import nn
 
-from tokenbatch import _checks, distributed
+from tokenbatch import _checks
+from tokenbatch import _distributed as distributed
+from tokenbatch._lr import BatchScaledLR, global_count
 from tokenbatch.oom._errors import OOMEvent, free_memory
 from tokenbatch.oom._eval import EvalGuard
 from tokenbatch.oom._grow import Grow, GrowEvent, Growth, as_grow
@@ -87,6 +89,14 @@ class OOMFallback:
         pad_token_id: read row lengths from ``input_ids`` where batches have no ``attention_mask``.
         overlap: with DDP, all-reduce gradients during backward in an order that a failed rank
             still completes (:mod:`tokenbatch.oom._ddp`); False: average them after backward.
+        lr_scaling: ``"linear"`` or ``"sqrt"``: :meth:`step` runs each optimizer step at the
+            learning rate times rule(step size / ``lr_reference``) and puts the rate back after it,
+            so a scheduler keeps its schedule; ``"none"`` (default): unscaled. Token-budget steps
+            vary in size and are larger than a fixed batch on average.
+        lr_scaling_by: what a step's size counts, over all ranks and accumulated batches:
+            ``"tokens"`` (real tokens) or ``"samples"``.
+        lr_reference: the step size the learning rate was tuned for, over all ranks (a fixed batch
+            of 32 texts on 2 processes is 64 samples, or 64 times the mean length in tokens).
 
     Works with a plain module and with DDP (as ``accelerator.prepare`` wraps
     it); not with FSDP or DeepSpeed, which shard gradients themselves. The
@@ -143,6 +153,9 @@ class OOMFallback:
         weight: str | Callable[[Any], float] = "samples",
         pad_token_id: int | None = None,
         overlap: bool = True,
+        lr_scaling: str = "none",
+        lr_scaling_by: str = "tokens",
+        lr_reference: float | None = None,
     ) -> None:
         if not isinstance(sampler, TokenBudgetBatchSampler | TokenBudgetStream):
             raise TypeError(
@@ -162,6 +175,9 @@ class OOMFallback:
                 "(Accelerator(dataloader_config=DataLoaderConfiguration(split_batches=False))): the "
                 "sampler's global plan already gives each process its own batch of every step"
             )
+        self._lr = _lr_rule(lr_scaling, lr_scaling_by, lr_reference)
+        self._lr_count = 0  # samples or tokens trained on this rank since the last optimizer step
+        self._lr_scaling: BatchScaledLR | None = None
         self.sampler, self.model, self.accelerator = sampler, model, accelerator
         self.factor = _checks.shrink_factor("factor", factor)
         self.min_tokens = None if min_tokens is None else _checks.positive_number("min_tokens", min_tokens)
@@ -363,14 +379,33 @@ class OOMFallback:
         finally:
             self._step = None
 
-    def step(self, optimizer: torch.optim.Optimizer) -> None:
+    def step(self, optimizer: torch.optim.Optimizer) -> float:
         """``optimizer.step()`` on every rank together; out of memory: free memory and retry once, or raise.
+
+        With ``lr_scaling``, the step runs at the scaled learning rate (the batches trained since
+        the last step, summed over ranks: one small all-reduce).
+
+        Returns:
+            The learning-rate multiplier the step ran at (1.0 without ``lr_scaling``).
 
         Raises:
             ~tokenbatch.oom.OptimizerOOMError: on every rank, naming the optimizer and the failed allocation.
             RankFailedError: another rank's step raised an error that is not out-of-memory.
         """
-        guarded_step(optimizer, where=f"epoch {self.sampler.epoch}, step {max(self.steps_done - 1, 0)}")
+        where = f"epoch {self.sampler.epoch}, step {max(self.steps_done - 1, 0)}"
+        if self._lr is None:
+            guarded_step(optimizer, where=where)
+            return 1.0
+        size, self._lr_count = global_count(self._lr_count), 0  # every rank, once per optimizer step
+        if size == 0:  # nothing trained on any rank since the last step: the scheduler's rate stands
+            guarded_step(optimizer, where=where)
+            return 1.0
+        rule, by, reference = self._lr
+        if self._lr_scaling is None or self._lr_scaling.optimizer is not optimizer:
+            self._lr_scaling = BatchScaledLR(optimizer, reference=reference, by=by, rule=rule)
+        with self._lr_scaling.applied(size) as scale:
+            guarded_step(optimizer, where=where)
+        return scale
 
     def evaluate(self, batch: Any, fn: Callable[[Any], T], *, lower_training: bool = False) -> T:
         """``fn(batch)`` without gradients, in micro-batches on every rank after out-of-memory on any.
@@ -460,6 +495,9 @@ class OOMFallback:
                 work.average.average_into_grads(any_grad)
             kept.release()
         self._trained(step)
+        if self._lr is not None:  # this step's size, once, however many micro-batches it ran as
+            shape = self._passes.read(batch)
+            self._lr_count += shape.size if self._lr[1] == "samples" else int(shape.lengths.sum())
         if self._growth is not None:
             if self._growth.trained(step=step, budget=self.max_tokens, batch=batch):
                 self._unreported = True  # a larger budget trained: the listeners remember it
@@ -616,6 +654,27 @@ class _Batches(Generic[T]):
             # iteration, and an abandoned one never gets there: end it here.
             with contextlib.suppress(ValueError):  # older accelerate: it had already ended
                 end()
+
+
+def _lr_rule(rule: Any, by: Any, reference: Any) -> tuple[str, str, float] | None:
+    """``(rule, by, reference)`` of the ``lr_scaling`` options, or None for no scaling."""
+    rule = _checks.one_of("lr_scaling", rule, ("none", "linear", "sqrt"))
+    by = _checks.one_of("lr_scaling_by", by, ("tokens", "samples"))
+    if rule == "none":
+        if reference is not None:
+            raise ValueError(
+                f"lr_reference is used only with lr_scaling='linear' or 'sqrt', but got "
+                f"lr_reference={reference!r} with lr_scaling='none'; set lr_scaling, or leave lr_reference "
+                f"out"
+            )
+        return None
+    if reference is None:
+        raise ValueError(
+            f"lr_reference should be the step size (in {by}, over all ranks) the learning rate was tuned "
+            f"for with lr_scaling={rule!r}, but got lr_reference=None; e.g. 32 texts on 2 processes "
+            f"are lr_reference=64 samples, or 64 * mean_length tokens"
+        )
+    return rule, by, _checks.positive_number("lr_reference", reference)
 
 
 def _check_weight(weight: Any) -> None:

@@ -27,7 +27,7 @@ from typing import Any, cast
 
 import torch
 
-from tokenbatch import distributed
+from tokenbatch import _distributed as distributed
 from tokenbatch.oom._errors import OptimizerOOMError, free_memory, is_oom
 from tokenbatch.oom._step import Outcome, raise_on_every_rank, share
 

@@ -41,7 +41,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from tokenbatch import distributed
+from tokenbatch import _distributed as distributed
 from tokenbatch.cost import CostModel
 from tokenbatch.oom._ddp import DDPSync, GradientAverage, OverlapReducer, Round, unsupported
 from tokenbatch.oom._errors import OOMEvent, RankFailedError, SampleTooLargeError, is_oom

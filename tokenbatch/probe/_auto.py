@@ -20,7 +20,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from tokenbatch import _checks, distributed
+from tokenbatch import _checks
+from tokenbatch import _distributed as distributed
 from tokenbatch.cost import CostModel
 from tokenbatch.probe._cache import BudgetCache, BudgetKey
 from tokenbatch.probe._measure import LossFn, MakeBatch, held_bytes, model_device

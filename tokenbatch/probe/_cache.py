@@ -33,7 +33,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from filelock import FileLock
 
-from tokenbatch import _checks, distributed
+from tokenbatch import _checks
+from tokenbatch import _distributed as distributed
 from tokenbatch.plan import OversizeSampleError
 
 if TYPE_CHECKING:

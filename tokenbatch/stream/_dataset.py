@@ -14,7 +14,8 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from tokenbatch import _checks, distributed
+from tokenbatch import _checks
+from tokenbatch import _distributed as distributed
 from tokenbatch.cost import CostModel
 from tokenbatch.plan import OVERSIZE_POLICIES
 from tokenbatch.stream._run import Agree, Run, Settings, default_agreement

@@ -43,7 +43,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from tokenbatch import _accelerate, distributed
+from tokenbatch import _accelerate
+from tokenbatch import _distributed as distributed
 from tokenbatch.cost import CostModel
 from tokenbatch.plan import OversizeSampleError
 from tokenbatch.stream._buffer import Buffer, estimate_boundaries, split_to, tie_breaks

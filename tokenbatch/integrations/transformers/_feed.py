@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from tokenbatch import distributed
+from tokenbatch import _distributed as distributed
 from tokenbatch.oom import OOMFallback
 from tokenbatch.oom._guard import _Batches
 from tokenbatch.sampler import TokenBudgetBatchSampler

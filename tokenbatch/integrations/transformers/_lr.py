@@ -34,7 +34,7 @@ import torch
 from transformers import TrainerCallback
 
 from tokenbatch import _checks
-from tokenbatch.lr import BatchScaledLR, count_batch, global_count
+from tokenbatch._lr import BatchScaledLR, count_batch, global_count
 from tokenbatch.sampler import TokenBudgetBatchSampler
 
 logger = logging.getLogger("tokenbatch.integrations.transformers")

@@ -35,7 +35,8 @@ from typing import Any
 
 import torch
 
-from tokenbatch import _checks, distributed
+from tokenbatch import _checks
+from tokenbatch import _distributed as distributed
 
 #: The rules, by name: the learning-rate multiplier for a step ``ratio`` times the reference.
 RULES: dict[str, Callable[[float], float]] = {
