@@ -20,7 +20,7 @@ from torch.optim.lr_scheduler import CosineAnnealingLR, LambdaLR, LRScheduler, S
 from transformers import BatchEncoding
 
 import tokenbatch
-from tokenbatch import lr as lr_module
+from tokenbatch import _lr as lr_module
 from tokenbatch._lr import BatchScaledLR, count_batch, global_count, global_token_count
 
 REPO = Path(__file__).resolve().parents[1]
@@ -51,9 +51,44 @@ def test_the_docstring_examples_run() -> None:
     assert doctest.testmod(lr_module).failed == 0
 
 
-def test_exported_from_tokenbatch() -> None:
-    for name in ("BatchScaledLR", "count_batch", "global_count", "global_token_count"):
-        assert name in tokenbatch.__all__ and getattr(tokenbatch, name) is getattr(lr_module, name)
+def test_the_guard_scales_each_optimizer_step_by_what_trained_in_it() -> None:
+    """OOMFallback(lr_scaling=...): what its step() runs at, and the rate left to the scheduler."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    seen: list[float] = []
+    step = optimizer.step
+    optimizer.step = lambda *a, **k: (seen.append(optimizer.param_groups[0]["lr"]), step(*a, **k))[1]
+    sampler = tokenbatch.TokenBudgetBatchSampler([4, 5, 6] * 4, 64)
+    fallback = tokenbatch.OOMFallback(
+        sampler, model, lr_scaling="linear", lr_scaling_by="samples", lr_reference=2
+    )
+    loss = lambda x: model(x).square().mean()  # noqa: E731
+    fallback.backward(torch.ones(4, 4), loss)
+    assert fallback.step(optimizer) == 2.0 and seen == [0.2]  # 4 samples against 2
+    fallback.backward(torch.ones(3, 4), loss)
+    fallback.backward(torch.ones(5, 4), loss)  # accumulated: one step of 8 samples
+    assert fallback.step(optimizer) == 4.0 and seen == [0.2, pytest.approx(0.4)]
+    assert optimizer.param_groups[0]["lr"] == 0.1  # put back for the scheduler
+    assert fallback.step(optimizer) == 1.0  # nothing trained since: the scheduler's rate stands
+    plain = tokenbatch.OOMFallback(sampler, model)
+    plain.backward(torch.ones(4, 4), loss)
+    assert plain.step(optimizer) == 1.0 and seen[-1] == 0.1
+
+
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        ({"lr_scaling": "linear"}, "lr_reference should be the step size"),
+        ({"lr_reference": 64}, "lr_reference is used only with lr_scaling='linear' or 'sqrt'"),
+        ({"lr_scaling": "cube", "lr_reference": 64}, "lr_scaling should be one of 'none', 'linear'"),
+        ({"lr_scaling": "sqrt", "lr_scaling_by": "words", "lr_reference": 64}, "lr_scaling_by should be"),
+    ],
+)
+def test_the_guards_lr_options_are_checked(options: dict[str, object], match: str) -> None:
+    sampler = tokenbatch.TokenBudgetBatchSampler([4, 5, 6], 64)
+    with pytest.raises(ValueError, match=match):
+        tokenbatch.OOMFallback(sampler, torch.nn.Linear(4, 1), **options)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(

@@ -430,6 +430,8 @@ class Growth:
                 self._costs.append(float(local))
                 self._peaks.append(float(peak))  # type: ignore[arg-type]
                 del self._costs[:-_KEEP], self._peaks[:-_KEEP]
+        if step >= self.sampler.plan.num_steps:
+            return None  # a batch the plan does not know (a loop of its own): it proves nothing
         reason = self.search.reason
         old = self.search.trained(budget=budget, step_cost=self.step_cost(step, budget))
         if old is None:
