@@ -164,7 +164,7 @@ def test_a_successful_growth_is_an_event_a_log_line_and_remembered(
 def test_the_state_carries_the_bracket_so_a_resume_does_not_try_a_failed_budget_again() -> None:
     _, fallback = run("split", 400, 100, epochs=1)
     state = fallback.state_dict()
-    assert state["version"] == 2 and state["growth"]["search"]["failed"] is not None
+    assert state["version"] == 3 and state["growth"]["search"]["failed"] is not None
     failed = state["growth"]["search"]["failed"]
     sampler = TokenBudgetBatchSampler(LENGTHS, 400, seed=0)
     again = OOMFallback(sampler, Tiny(), mode="split")
@@ -174,13 +174,14 @@ def test_the_state_carries_the_bracket_so_a_resume_does_not_try_a_failed_budget_
     assert search is not None and search.failed == failed
     target = search.next_try(again.max_tokens)
     assert target is None or target < failed
-    # Version 1 (before growth) still loads, and the bracket starts empty.
+    # A state of another version is refused, naming the one this tokenbatch reads.
     old = {k: state[k] for k in ("mode", "max_tokens")} | {"version": 1, "events": []}
     fresh = OOMFallback(TokenBudgetBatchSampler(LENGTHS, 400, seed=0), Tiny(), mode="split")
-    fresh.load_state_dict(old)
-    assert fresh.max_tokens == fallback.max_tokens and fresh._growth.search.failed is None  # type: ignore[union-attr]
+    with pytest.raises(ValueError, match=r"state should be an OOMFallback\.state_dict\(\) \(version 3"):
+        fresh.load_state_dict(old)
     old_event = {k: v for k, v in fallback.events[0].as_dict().items() if k != "growth"}
-    assert OOMEvent.from_dict(old_event).growth is False
+    with pytest.raises(ValueError, match=r"event should be an OOMEvent\.as_dict\(\), with keys"):
+        OOMEvent.from_dict(old_event)
     with pytest.raises(ValueError, match=r"state\['growth'\]\['search'\]\['failures'\] should be an integer"):
         bad = {
             **state,

@@ -1,13 +1,13 @@
 """OOMFallback's halve-mode re-plans: every sample once, or a clear error, never a silent loss.
 
-Issue 11: a loop over the DataLoader itself (without ``fallback.iterate``)
-gets the new plan or an error at the next batch (item 3); a sample over the
-lowered budget is tried alone before it is called too large (item 4).
+Halve mode re-plans the rest of the epoch, and only a pass that starts the
+DataLoader afresh (``fallback.iterate``) can follow it: a loop over the
+DataLoader itself is refused before it trains anything. A sample over the
+lowered budget is tried alone before it is called too large.
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -51,33 +51,6 @@ ROWS = [{"length": n, "idx": i} for i, n in enumerate(LENGTHS)]
 Loader = Callable[[TokenBudgetBatchSampler], Any]
 
 
-def plain_loop(
-    make_loader: Loader, *, epochs: int = 2, restart: bool = False, **oom: Any
-) -> tuple[list[list[int]], OOMFallback]:
-    """``for batch in loader`` in halve mode, not ``fallback.iterate``; ``restart``: start over on None."""
-    model = Tiny()
-    sampler = TokenBudgetBatchSampler(LENGTHS, 160, seed=0)
-    loader = make_loader(sampler)
-    fallback = OOMFallback(sampler, model, mode="halve")
-    trained: list[list[int]] = []
-    with inject_oom(model, **oom):
-        for epoch in range(epochs):
-            sampler.set_epoch(epoch)
-            trained.append([])
-            again = True
-            while again:
-                again = False
-                for batch in loader:
-                    if fallback.backward(batch, lambda b: model(b["input_ids"], b["attention_mask"])) is None:
-                        again = restart
-                        if restart:
-                            break
-                        continue
-                    trained[-1] += batch["idx"].tolist()
-                    model.zero_grad()
-    return trained, fallback
-
-
 def plain(sampler: TokenBudgetBatchSampler) -> DataLoader[Any]:
     return DataLoader(ROWS, batch_sampler=sampler, collate_fn=collate)
 
@@ -88,38 +61,42 @@ def one_ahead(sampler: TokenBudgetBatchSampler) -> Any:  # as accelerate's prepa
     return DataLoaderShard(ROWS, batch_sampler=sampler, collate_fn=collate)
 
 
-@pytest.mark.parametrize("after", [0, 5])
-def test_a_plain_loop_without_workers_carries_on_with_the_new_plan(after: int) -> None:
-    trained, fallback = plain_loop(plain, max_tokens=100, after=after)
-    assert fallback.events and fallback.events[0].step == after
+def workers(sampler: TokenBudgetBatchSampler) -> Any:
+    return DataLoader(ROWS, batch_sampler=sampler, collate_fn=collate, num_workers=1)
+
+
+@pytest.mark.parametrize("make_loader", [plain, one_ahead, workers])
+def test_halve_mode_in_a_loop_over_the_dataloader_is_refused_before_it_trains(make_loader: Loader) -> None:
+    model = Tiny()
+    sampler = TokenBudgetBatchSampler(LENGTHS, 160, seed=0)
+    fallback = OOMFallback(sampler, model, mode="halve")
+    batch = next(iter(make_loader(sampler)))
+    with pytest.raises(ValueError, match=r"outside fallback\.iterate\(\): loop with `for batch in fallback"):
+        fallback.backward(batch, lambda b: model(b["input_ids"], b["attention_mask"]))
+    assert all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.parametrize("make_loader", [plain, one_ahead, workers])
+def test_iterate_follows_every_replan_on_any_loader(make_loader: Loader) -> None:
+    model = Tiny()
+    sampler = TokenBudgetBatchSampler(LENGTHS, 160, seed=0)
+    loader = make_loader(sampler)
+    fallback = OOMFallback(sampler, model, mode="halve")
+    trained: list[list[int]] = []
+    with inject_oom(model, 100, after=5):
+        for epoch in range(2):
+            sampler.set_epoch(epoch)
+            trained.append([])
+            for batch in fallback.iterate(loader):
+                if fallback.backward(batch, lambda b: model(b["input_ids"], b["attention_mask"])) is not None:
+                    trained[-1] += batch["idx"].tolist()
+                    model.zero_grad()
+    assert fallback.events and fallback.events[0].step == 5
     assert [sorted(epoch) for epoch in trained] == [list(range(60))] * 2
 
 
-def test_a_plain_loop_over_a_loader_that_read_ahead_stops_at_the_next_batch() -> None:
-    def workers(sampler: TokenBudgetBatchSampler) -> Any:
-        return DataLoader(ROWS, batch_sampler=sampler, collate_fn=collate, num_workers=1)
-
-    for make_loader in (one_ahead, workers):
-        match = r"re-planned from step 3 .* fallback\.iterate\(train_dataloader\)"
-        with pytest.raises(RuntimeError, match=match):
-            plain_loop(make_loader, max_tokens=0, after=3, times=1)  # the fourth step runs out of memory
-
-
-def test_a_loop_that_starts_over_after_a_replan_trains_every_sample_once() -> None:
-    trained, fallback = plain_loop(one_ahead, restart=True, max_tokens=100, after=5)
-    assert fallback.events and [sorted(epoch) for epoch in trained] == [list(range(60))] * 2
-
-
-def test_a_replan_once_the_loader_read_the_whole_plan_is_not_silent(caplog: pytest.LogCaptureFixture) -> None:
-    steps = TokenBudgetBatchSampler(LENGTHS, 160, seed=0).plan.num_steps
-    match = f"epoch 0 was re-planned from step {steps - 1} .* another epoch"
-    with caplog.at_level(logging.WARNING, logger="tokenbatch.oom"), pytest.raises(RuntimeError, match=match):
-        plain_loop(one_ahead, max_tokens=0, after=steps - 1, times=1)  # the last step runs out of memory
-    assert "had already read the whole old plan" in caplog.text  # the last epoch has no next batch: a warning
-
-
 def test_a_training_budget_lowered_by_evaluation_between_steps_carries_on() -> None:
-    """``evaluate(lower_training=True)`` re-plans halve mode between steps: a plain loop goes on."""
+    """``evaluate(lower_training=True)`` re-plans halve mode between steps: iterate goes on with it."""
     model = Tiny()
     sampler = TokenBudgetBatchSampler(LENGTHS, 160, seed=0)
     fallback = OOMFallback(sampler, model, mode="halve")
@@ -132,7 +109,7 @@ def test_a_training_budget_lowered_by_evaluation_between_steps_carries_on() -> N
     for epoch in range(2):
         sampler.set_epoch(epoch)
         trained.append([])
-        for step, batch in enumerate(loader):
+        for step, batch in enumerate(fallback.iterate(loader)):
             assert fallback.backward(batch, forward) is not None
             trained[-1] += batch["idx"].tolist()
             if step == 1 and epoch == 0:

@@ -11,7 +11,7 @@ import torch
 from accelerate.data_loader import BatchSamplerShard
 from torch.utils.data import DataLoader, Dataset
 
-from tokenbatch import CostModel, TokenBudgetBatchSampler
+from tokenbatch import CostModel, OOMFallback, TokenBudgetBatchSampler
 
 
 class IndexDataset(Dataset[int]):
@@ -64,9 +64,9 @@ def test_accelerate_batch_sampler_shard_splits_the_global_plan(world: int) -> No
     assert sorted(seen) == list(range(len(lengths)))  # even_batches never had to repeat a sample
 
 
-def test_no_batch_size_attribute_for_accelerate() -> None:
+def test_no_fixed_batch_size_for_accelerate() -> None:
     sampler = TokenBudgetBatchSampler([3, 4], 10)
-    assert sampler.batch_size is None
+    assert not hasattr(sampler, "batch_size")  # accelerate then knows the batches are not of one size
     assert BatchSamplerShard(sampler, 2, 0).batch_size is None
 
 
@@ -132,17 +132,18 @@ def test_replan_stops_a_running_iterator_that_read_past_it() -> None:
     assert sampler.state_dict()["max_tokens"] == 512.0
 
 
-def test_replan_from_the_step_last_handed_out_carries_on_in_the_running_iterator() -> None:
-    """As a loop over a DataLoader without workers reads it: the batch it holds is the one re-planned."""
+def test_a_replan_stops_the_running_pass_and_the_next_pass_yields_the_new_plan() -> None:
+    """The pass walks the plan it started on; after a re-plan a new pass (a new DataLoader iterator) follows."""
     lengths = long_tailed(400)
     sampler = TokenBudgetBatchSampler(lengths, 1024, seed=2, num_replicas=2)
     iterator = iter(sampler)
     taken = [next(iterator) for _ in range(6)]  # three whole steps
     sampler.replan(512, steps_done=2)  # the third step's batches were fetched but not trained
+    assert list(iterator) == []  # the old pass stops: no batch of the replaced plan comes after
     plan = sampler.plan
     expected = [plan.batch(b).tolist() for b in range(2 * 2, plan.num_batches)]
-    rest = list(iterator)
-    assert rest == expected and sampler.position.handed_out == plan.num_steps
+    rest = list(sampler)
+    assert rest == expected and sampler.state_dict()["steps_done"] == plan.num_steps
     assert sorted(i for b in taken[:4] + rest for i in b) == list(range(400))
 
 
@@ -154,21 +155,17 @@ def test_state_dict_default_position_counts_handed_out_steps() -> None:
     assert sampler.state_dict()["steps_done"] == 2
 
 
-def test_position_is_the_one_cursor_of_the_epoch() -> None:
+def test_the_sampler_counts_only_the_steps_it_yielded() -> None:
     sampler = TokenBudgetBatchSampler(long_tailed(400), 512, num_replicas=2, seed=1)
-    position = sampler.position
     iterator = iter(sampler)
-    for _ in range(4):  # two whole steps: a step counts as handed out with its last batch
+    for _ in range(4):  # two whole steps: a step counts as yielded with its last batch
         next(iterator)
-    assert (position.start, position.handed_out, position.trained) == (0, 2, 0)
-    generation = position.generation
-    sampler.replan(256, steps_done=0)  # before the step last handed out: the old pass cannot carry on
-    assert (position.start, position.handed_out, position.trained) == (0, 0, 0)
-    assert position.generation == generation + 1
-    assert list(iterator) == []  # the old pass stops, and leaves the new plan's position alone
-    assert position.handed_out == 0 and sampler.state_dict()["steps_done"] == 0
+    assert (sampler.start_step, sampler.state_dict()["steps_done"]) == (0, 2)
+    sampler.replan(256, steps_done=0)  # before the step last yielded: the old pass cannot carry on
+    assert list(iterator) == []  # the old pass stops, and leaves the new plan's count alone
+    assert (sampler.start_step, sampler.state_dict()["steps_done"]) == (0, 0)
     sampler.set_epoch(1)
-    assert (position.epoch, position.start, position.handed_out, position.trained) == (1, 0, 0, 0)
+    assert (sampler.epoch, sampler.start_step, sampler.state_dict()["steps_done"]) == (1, 0, 0)
 
 
 def test_steps_in_epoch_is_the_plan_a_fresh_sampler_makes() -> None:
@@ -312,7 +309,7 @@ def test_a_lower_budget_refuses_or_leaves_out_no_sample_the_sampler_admitted(ove
         assert sampler.plan.skipped.tolist() == ([4] if oversize == "skip" else [])
 
 
-def test_a_dataloader_reading_the_global_plan_itself_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_guarded_dataloader_reading_the_global_plan_itself_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     """rank=None on 2 processes: a plain DataLoader would give every rank every batch (issue 11, item 7)."""
     from accelerate.data_loader import BatchSamplerShard
     from torch.utils.data import DataLoader
@@ -320,8 +317,9 @@ def test_a_dataloader_reading_the_global_plan_itself_is_refused(monkeypatch: pyt
     sampler = TokenBudgetBatchSampler(long_tailed(100), 512, seed=0, num_replicas=2)
     assert len(list(DataLoader(range(100), batch_sampler=sampler))) == 2 * sampler.plan.num_steps  # 1 process
     monkeypatch.setenv("WORLD_SIZE", "2")  # as torchrun sets it for each of 2 processes
+    fallback = OOMFallback(sampler, torch.nn.Linear(2, 2))  # the loop is handed the DataLoader: it refuses
     with pytest.raises(ValueError, match=r"but got rank=None: .* every rank would train every sample"):
-        next(iter(DataLoader(range(100), batch_sampler=sampler)))
+        next(iter(fallback.iterate(DataLoader(range(100), batch_sampler=sampler))))
     shares = [DataLoader(range(100), batch_sampler=BatchSamplerShard(sampler, 2, r)) for r in range(2)]
     assert sorted(int(i) for share in shares for batch in share for i in batch) == list(range(100))
     assert len(list(sampler)) == 2 * sampler.plan.num_steps  # the global plan itself, as before

@@ -114,26 +114,16 @@ V1_STATE = {
     "epoch": 0, "max_tokens": 30.0, "epoch_max_tokens": 40.0, "replans": [[2, 30.0]], "steps_done": 3,
 }  # fmt: skip
 #: What that sampler yielded after the 3 steps trained.
-V1_REST = [[12], [19], [2], [25], [26], [16], [10, 20], [0, 23], [6], [29], [14, 24, 1], [3]]
 
 
-def test_a_version_1_state_still_resumes_on_any_number_of_processes() -> None:
-    same = TokenBudgetBatchSampler(V1_LENGTHS, 40, seed=3, num_replicas=2)
-    same.load_state_dict(V1_STATE)
-    assert list(same) == V1_REST and same.max_tokens == 30.0
-    trained = flat([same.plan.batch(b).tolist() for b in range(3 * 2)])
-    for rank in range(2):  # the rank saved in version 1 is not compared either
-        local = TokenBudgetBatchSampler(V1_LENGTHS, 40, seed=3, num_replicas=2, rank=rank)
-        local.load_state_dict(V1_STATE)
-        assert list(local) == V1_REST[rank::2]
-    one = TokenBudgetBatchSampler(V1_LENGTHS, 40, seed=3, num_replicas=1)
-    one.load_state_dict(V1_STATE)
-    assert one.start_step == 3
-    assert sorted(trained + flat(list(one))) == list(range(30))
-    # Saved again, it is a version 2 state that says which ranks each part was planned for.
-    state = one.state_dict(steps_done=3)
+def test_a_version_1_state_is_refused_naming_the_version() -> None:
+    """Nothing was released with version 1 states: there is no reader for them to keep."""
+    sampler = TokenBudgetBatchSampler(V1_LENGTHS, 40, seed=3, num_replicas=2)
+    with pytest.raises(ValueError, match=r"state\['version'\] should be 2, .* but got state\['version'\]=1"):
+        sampler.load_state_dict(V1_STATE)
+    assert sampler.start_step == 0 and sampler.max_tokens == 40.0  # left as it was
+    state = sampler.state_dict(steps_done=3)
     assert state["version"] == 2 and state["epoch_num_replicas"] == 2
-    assert state["replans"] == [[2, 30.0, 2], [3, 30.0, 1]]
     assert "num_replicas" not in state["settings"] and "rank" not in state["settings"]
 
 

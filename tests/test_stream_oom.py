@@ -175,9 +175,12 @@ def test_exactly_once_for_any_lengths_budgets_and_thresholds(
     assert fallback.max_tokens <= max(threshold, budget)
 
 
-def test_a_stream_keeps_plain_shrinking_and_refuses_growth() -> None:
+def test_a_stream_only_shrinks_with_the_same_defaults() -> None:
+    """Growth proves a budget on the sampler's global plan, which a stream has not: the default is
+    the same everywhere, and on a stream it is shrinking only."""
     stream = TokenBudgetStream(make_rows(12), max_tokens=256, buffer_size=8)
     assert OOMFallback(stream, Tiny(), mode="halve").grow is None
     assert OOMFallback(stream, Tiny(), mode="split", grow=False).grow is None
-    with pytest.raises(ValueError, match=r"grow should be False \(or left out\) with a TokenBudgetStream"):
-        OOMFallback(stream, Tiny(), mode="halve", grow=True)
+    assert OOMFallback(stream, Tiny(), mode="halve", grow=True).grow is None
+    with pytest.raises(TypeError, match=r"grow should be True, False or a tokenbatch\.oom\.Grow"):
+        OOMFallback(stream, Tiny(), mode="halve", grow="yes")  # type: ignore[arg-type]

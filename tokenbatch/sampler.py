@@ -370,7 +370,8 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
         self, epoch: int, max_tokens: float, history: History, step: int, plan: Plan | None = None
     ) -> None:
         """Go to ``epoch``'s plan after ``history`` (``plan``, where made already), from ``step`` on."""
-        now = (self._epoch, self._max_tokens, self._history, self._start)
+        history_now = History(self._epoch_max_tokens, self._epoch_world, self._replans)
+        now = (self._epoch, self._max_tokens, history_now, self._start)
         same = (epoch, max_tokens, history, step) == now
         self._epoch, self._max_tokens = epoch, max_tokens
         self._epoch_max_tokens, self._epoch_world, self._replans = (

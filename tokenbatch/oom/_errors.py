@@ -107,8 +107,6 @@ class OOMEvent:
                 wrong; the message names it, as ``name['field']``.
         """
         keys = [f.name for f in dataclasses.fields(cls)]
-        if isinstance(data, dict) and "growth" not in data:  # saved before growth existed
-            data = {**data, "growth": False}
         if not isinstance(data, dict) or set(data) != set(keys):
             raise ValueError(
                 f"{name} should be an OOMEvent.as_dict(), with keys {keys}, but got {name}={data!r:.200}"

@@ -188,11 +188,13 @@ class OOMFallback:
         self._passes = ForwardBackward(
             model, accelerator, cost=sampler.cost, weight=weight, pad_token_id=pad_token_id, overlap=overlap
         )
-        settings = as_grow(grow)
+        settings = as_grow(grow)  # checked on a stream too
+        self.grow = settings if isinstance(sampler, TokenBudgetBatchSampler) else None
+        """The growth settings in force (None: shrink only; always for a stream, which has no plan)."""
         self._growth: Growth | None = None
-        if settings is not None and isinstance(sampler, TokenBudgetBatchSampler):
+        if self.grow is not None and isinstance(sampler, TokenBudgetBatchSampler):
             self._growth = Growth(
-                settings,
+                self.grow,
                 sampler=sampler,
                 model=model,
                 mode=self.mode,
@@ -204,7 +206,8 @@ class OOMFallback:
         self._unreported = False  # events recorded since the listeners last ran
         # Where the loop is: the steps of the sampler's (or stream's) epoch trained, and the step being
         # trained while iterate() runs; the pass that restarts after a re-plan, while one runs.
-        self._epoch, self._steps_done = sampler.epoch, self._first_step()
+        self._epoch, self._steps_done, self._since = 0, 0, (0, 0)
+        self._sync()
         self._step: int | None = None
         self._batches: _Batches[Any] | None = None
         self.eval_guard = EvalGuard(
@@ -226,9 +229,7 @@ class OOMFallback:
     @property
     def steps_done(self) -> int:
         """Steps trained in the sampler's (or stream's) current epoch, as this loop counts them."""
-        if self._epoch != self.sampler.epoch:  # set_epoch moved on: a new epoch, from its first step
-            return self._first_step()
-        return self._steps_done
+        return self._first_step() if self._moved() else self._steps_done
 
     @property
     def growth_events(self) -> list[GrowEvent]:
@@ -316,7 +317,7 @@ class OOMFallback:
         if not self._drops_step:
             self._micro_tokens = min(self.sampler.max_tokens, max_tokens)
         self.events = events
-        self._epoch, self._steps_done = self.sampler.epoch, self._first_step()
+        self._sync()
 
     # -- the loop ------------------------------------------------------------------------
 
@@ -359,8 +360,7 @@ class OOMFallback:
         ahead of training (the Trainer's); by default none was drawn yet.
         """
         self._batches = batches
-        done = batches.next_step if steps_done is None else steps_done
-        self._epoch, self._steps_done = self.sampler.epoch, done
+        self._sync(batches.next_step if steps_done is None else steps_done)
 
     def _iterate_stream(self, dataloader: Iterable[T]) -> Iterator[T]:
         dataset = getattr(dataloader, "dataset", self.sampler)
@@ -370,7 +370,7 @@ class OOMFallback:
                 f"collate_fn=...), but its dataset is a {type(dataset).__name__}; pass the stream given "
                 f"to OOMFallback"
             )
-        self._epoch, self._steps_done = self.sampler.epoch, self._first_step()
+        self._sync()
         try:
             for step, batch in enumerate(dataloader, start=self._steps_done):
                 self._step = step
@@ -519,9 +519,26 @@ class OOMFallback:
         run = self.sampler.state_dict()["run"]  # before a pass: the state loaded last, if any
         return int(run["yielded"]) if run else 0
 
-    def _trained(self, step: int) -> None:
+    def _sync(self, steps_done: int | None = None) -> None:
+        """Count from ``steps_done`` (default: where the sampler's next pass starts) in its epoch."""
+        self._epoch = self.sampler.epoch
+        self._steps_done = self._first_step() if steps_done is None else steps_done
+        self._since = (self._epoch, self._steps_done)
+
+    def _moved(self) -> bool:
+        """The sampler is not where this count is: a new epoch, or a resume before any step trained."""
         if self._epoch != self.sampler.epoch:
-            self._epoch, self._steps_done = self.sampler.epoch, self._first_step()
+            return True
+        fresh = self._steps_done == self._since[1] and self._batches is None
+        return (
+            fresh
+            and isinstance(self.sampler, TokenBudgetBatchSampler)
+            and self._first_step() != self._since[1]
+        )
+
+    def _trained(self, step: int) -> None:
+        if self._moved():
+            self._sync()
         self._steps_done = max(self._steps_done, step + 1)
 
     def _micro_budget(self) -> float | None:
