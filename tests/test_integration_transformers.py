@@ -89,8 +89,8 @@ def test_split_mode_survives_oom_in_place(split_run: Any) -> None:
     assert event.new_max_tokens == 0.5 * min(tc.MAX_TOKENS, first_plan_cost(trainer, 0))
     assert trainer.oom_fallback.max_tokens == event.new_max_tokens
     assert trainer.train_sampler.max_tokens == tc.MAX_TOKENS  # split mode keeps the planned batches
-    sampler = trainer.train_sampler  # its position counted the last epoch's steps as they trained
-    assert (sampler.epoch, sampler.position.trained) == (1, sampler.plan.num_steps)
+    sampler = trainer.train_sampler  # the guard followed the Trainer's feed: it counted the last epoch
+    assert (sampler.epoch, trainer.oom_fallback.steps_done) == (1, sampler.plan.num_steps)
     assert max(injector.costs[1:]) <= event.new_max_tokens
     assert_every_sample_once(steps, epochs=2)
     assert_one_run(trainer, steps)

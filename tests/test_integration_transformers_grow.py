@@ -104,11 +104,15 @@ def test_bad_oom_grow_is_refused_naming_it(
         tc.make_trainer(emotion_data_dir, minilm_tokenizer, tmp_path, oom_grow="yes")
 
 
-def test_a_stream_refuses_oom_grow_with_the_reason(
+def test_a_stream_only_shrinks_under_the_same_default(
     emotion_data_dir: Path, minilm_tokenizer: Any, tmp_path: Path
 ) -> None:
+    """Growth proves a budget on a plan, which a stream has not: oom_grow=True (the default) shrinks only."""
     trainer = tc.make_trainer(emotion_data_dir, minilm_tokenizer, tmp_path, oom_grow=True,
-                              arguments={"max_steps": 2})  # fmt: skip
+                              arguments={"max_steps": 4})  # fmt: skip
     trainer.train_dataset = trainer.train_dataset.to_iterable_dataset(num_shards=2)
-    with pytest.raises(ValueError, match=r"oom_grow should be False with an iterable train_dataset"):
+    with inject_oom(trainer.model, 150, times=1):
         trainer.train()
+    assert trainer.state.global_step == 4 and len(trainer.oom_events) == 1
+    assert trainer.oom_fallback is not None and trainer.oom_fallback.grow is None
+    assert trainer.oom_fallback.growth_events == [] and trainer.oom_fallback.max_tokens < tc.MAX_TOKENS

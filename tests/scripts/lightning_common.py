@@ -123,7 +123,8 @@ class Recorder(pl.LightningModule):
     def on_train_start(self) -> None:
         if not self.automatic_optimization:
             assert self.sampler is not None
-            self.fallback = oom_fallback(self, self.sampler, mode=self.mode, grow=self.grow)
+            options = {} if self.grow is None else {"grow": self.grow}
+            self.fallback = oom_fallback(self, self.sampler, mode=self.mode, **options)
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor | None:
         self.batches.setdefault(self.current_epoch, []).append(batch["idx"].tolist())

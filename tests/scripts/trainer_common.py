@@ -211,6 +211,10 @@ def make_trainer(
         disable_tqdm=True,
         **(arguments or {}),
     )
+    # These tests count plain shrinking's exact steps, and the slice has samples over the budget:
+    # growth (test_integration_transformers_grow.py) and the default oversize error are tested apart.
+    options.setdefault("oom_grow", False)
+    options.setdefault("oversize", "alone")
     trainer = TokenBudgetTrainer(
         model=tiny_model(len(tokenizer), items_loss=items_loss),
         args=args,

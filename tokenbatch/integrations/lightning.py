@@ -122,7 +122,7 @@ class TokenBudgetCallback(pl.Callback):
         self.fallback = fallback
         state, self._fallback_state = self._fallback_state, None
         if state is not None:
-            fallback.load_state_dict(state)
+            fallback._load_own_state(state)  # the sampler was resumed in on_load_checkpoint
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         world = trainer.world_size
@@ -180,7 +180,7 @@ class TokenBudgetCallback(pl.Callback):
         state = checkpoint.get(_FALLBACK_KEY)
         if state is not None:
             if self.fallback is not None:  # made before this fit: resume it now
-                self.fallback.load_state_dict(state)
+                self.fallback._load_own_state(state)
             else:  # the fallback is made later (on_train_start, training_step): attach() resumes it
                 self._fallback_state = state
 

@@ -275,6 +275,10 @@ class BudgetSearch:
 
     def load(self, state: Any, name: str = "state['growth']") -> None:
         """Take the bracket from :meth:`state`, every field checked before anything changes."""
+        self.read(state, name)()
+
+    def read(self, state: Any, name: str = "state['growth']") -> Callable[[], None]:
+        """Check the bracket of :meth:`state`; returns what puts it in force (nothing changes before)."""
         keys = set(self.state())
         if not isinstance(state, dict) or set(state) != keys:
             raise ValueError(f"{name} should hold the keys {sorted(keys)}, but got {state!r:.200}")
@@ -292,8 +296,12 @@ class BudgetSearch:
                 f"{name}['trying'] and {name}['before'] should both be numbers or both None, "
                 f"but got {state!r:.200}"
             )
-        self.ceiling, self.proven, self.failed, self.failures = ceiling, proven, failed, failures
-        self.trying, self.before, self.reason, self.calm = trying, before, reason, 0
+
+        def apply() -> None:
+            self.ceiling, self.proven, self.failed, self.failures = ceiling, proven, failed, failures
+            self.trying, self.before, self.reason, self.calm = trying, before, reason, 0
+
+        return apply
 
 
 # -- the guard's side: what it feeds the search, and when ----------------------------------
@@ -491,15 +499,20 @@ class Growth:
     def state(self) -> dict[str, Any]:
         return {"search": self.search.state(), "events": [e.as_dict() for e in self.events]}
 
-    def load(self, state: Any) -> None:
-        """Resume the bracket and growth events from :meth:`state` (None: nothing), checked first."""
+    def restore(self, state: Any) -> Callable[[], None]:
+        """Check the bracket and growth events of :meth:`state` (None: none); returns what resumes them."""
         if state is None:
-            return
+            return lambda: None
         if not isinstance(state, dict) or set(state) != {"search", "events"}:
             raise ValueError(f"state['growth'] should hold 'search' and 'events', but got {state!r:.200}")
         saved = state["events"]
         if not isinstance(saved, list | tuple):
             raise TypeError(f"state['growth']['events'] should be a list, but got {saved!r:.100}")
         events = [GrowEvent.from_dict(e, name=f"state['growth']['events'][{i}]") for i, e in enumerate(saved)]
-        self.search.load(state["search"], name="state['growth']['search']")
-        self.events = events
+        search = self.search.read(state["search"], name="state['growth']['search']")
+
+        def apply() -> None:
+            search()
+            self.events = events
+
+        return apply

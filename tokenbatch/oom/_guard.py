@@ -296,6 +296,19 @@ class OOMFallback:
             TypeError, ValueError: the state is not this mode's ``state_dict()``, or a field is wrong;
                 the message names it.
         """
+        resume = self._read_state(state)
+        self.sampler.load_state_dict(state["sampler"])  # checks every field before it changes anything
+        resume()
+
+    def _load_own_state(self, state: dict[str, Any]) -> None:
+        """:meth:`load_state_dict` but the sampler's part: for a loop that has put the sampler in place.
+
+        The Trainer and Lightning's callback resume the sampler themselves, where their loops need it.
+        """
+        self._read_state(state)()
+
+    def _read_state(self, state: Any) -> Callable[[], None]:
+        """Check a :meth:`state_dict` but its sampler's part; returns what resumes the guard from it."""
         if not isinstance(state, dict) or state.get("version") != _STATE_VERSION or set(state) != _STATE_KEYS:
             raise ValueError(
                 f"state should be an OOMFallback.state_dict() (version {_STATE_VERSION}, keys "
@@ -311,13 +324,18 @@ class OOMFallback:
         if not isinstance(saved, list | tuple):
             raise TypeError(f"state['events'] should be a list, but got state['events']={saved!r:.100}")
         events = [OOMEvent.from_dict(e, name=f"state['events'][{i}]") for i, e in enumerate(saved)]
+        growth: Callable[[], None] = lambda: None  # noqa: E731
         if self._growth is not None:
-            self._growth.load(state["growth"])  # raises before anything changes
-        self.sampler.load_state_dict(state["sampler"])  # so does this
-        if not self._drops_step:
-            self._micro_tokens = min(self.sampler.max_tokens, max_tokens)
-        self.events = events
-        self._sync()
+            growth = self._growth.restore(state["growth"])
+
+        def resume() -> None:
+            growth()
+            if not self._drops_step:
+                self._micro_tokens = min(self.sampler.max_tokens, max_tokens)
+            self.events = events
+            self._sync()
+
+        return resume
 
     # -- the loop ------------------------------------------------------------------------
 

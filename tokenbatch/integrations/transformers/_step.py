@@ -81,7 +81,7 @@ def make_fallback(
         pad_token_id=pad_token_id,
     )
     if state:
-        fallback.load_state_dict(state)
+        fallback._load_own_state(state)  # the Trainer has put the sampler where its loop is
     return fallback
 
 
