@@ -240,9 +240,13 @@ class Plan:
         end = self.step_start(steps)
         starts = None if self.step_starts is None else self.step_starts[: steps + 1]
         return Plan(
-            self.order[: self.offsets[end]], self.offsets[: end + 1], self.num_replicas,
-            self.skipped, self.dropped, starts,
-        )  # fmt: skip
+            self.order[: self.offsets[end]],
+            self.offsets[: end + 1],
+            self.num_replicas,
+            self.skipped,
+            self.dropped,
+            starts,
+        )
 
     def then(self, rest: Plan) -> Plan:
         """This plan followed by ``rest``: each step keeps its width, and ``rest``'s ranks are the plan's."""

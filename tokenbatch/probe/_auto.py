@@ -265,9 +265,15 @@ def auto_budget(
             )
         if measure:
             probe = find_max_tokens(
-                model, lengths=lengths, memory_limit=limit, optimizer=optimizer, cost=cost,
-                margin=margin, make_batch=make_batch, loss_fn=loss_fn,
-            )  # fmt: skip
+                model,
+                lengths=lengths,
+                memory_limit=limit,
+                optimizer=optimizer,
+                cost=cost,
+                margin=margin,
+                make_batch=make_batch,
+                loss_fn=loss_fn,
+            )
             assert probe.fit is not None  # method="fit" always fits
             # Under RLIMIT_AS the probe's own one-time mappings (the profiler's, ~150 MiB) stay and
             # take room from training in this process, not in the next run, which starts from the

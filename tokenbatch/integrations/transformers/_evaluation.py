@@ -81,8 +81,9 @@ class EvalLoss:
         finite = torch.isfinite(value)
         zero = torch.zeros((), dtype=torch.float64, device=self.sums.device)
         weighted = value * weight_t
-        self.sums += torch.stack([torch.where(finite, weighted, zero), torch.where(finite, weight_t, zero),
-                                  weighted, weight_t])  # fmt: skip
+        self.sums += torch.stack(
+            [torch.where(finite, weighted, zero), torch.where(finite, weight_t, zero), weighted, weight_t]
+        )
 
     def mean(self, accelerator: Any, *, finite_only: bool) -> float | None:
         """The weighted mean over all ranks (a collective: every rank calls it), None without a weight."""

@@ -141,8 +141,13 @@ class StepScaling(TrainerCallback):
             )
         logger.info(
             "lr_scaling=%r: each optimizer step's learning rate times %s(step %s / %g), %g = %s",
-            self.rule, self.rule, self.by, self.reference, self.reference, how,
-        )  # fmt: skip
+            self.rule,
+            self.rule,
+            self.by,
+            self.reference,
+            self.reference,
+            how,
+        )
 
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if not self.enabled:
