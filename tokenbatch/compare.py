@@ -14,22 +14,10 @@ from __future__ import annotations
 import numpy as np
 
 from tokenbatch.cost import CostModel
-from tokenbatch.plan import Plan, PlanStats, batch_stats, fit_count, lower_bound_steps
+from tokenbatch.plan import Plan, PlanStats, batch_stats, fit_count
 
-__all__ = [
-    "ROW",
-    "Batching",
-    "as_row",
-    "batch_costs",
-    "fixed_batch_size",
-    "fixed_offsets",
-    "from_batches",
-    "length_grouped_batching",
-    "lower_bound_steps",
-    "measure",
-    "random_fixed_batching",
-    "repetition",
-]
+# What a user comparing batchings calls; the rest (used by the benchmarks) stays importable.
+__all__ = ["fixed_batch_size", "length_grouped_batching", "measure", "random_fixed_batching"]
 
 Batching = tuple[np.ndarray, np.ndarray]
 

@@ -23,7 +23,7 @@ from tokenbatch import _checks
 from tokenbatch import _distributed as distributed
 from tokenbatch.cost import CostModel
 
-__all__ = ["OOMInjector", "inject_oom"]
+__all__ = ["inject_oom"]  # it returns an OOMInjector (its count, remove())
 
 WHERE = ("forward", "backward")
 KINDS = ("cuda", "cpu")
