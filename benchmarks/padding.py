@@ -267,7 +267,7 @@ def markdown(sets: list[Dataset], rows: list[dict[str, Any]], targets: list[dict
         f"max {d.lengths.max()}"
         for d in sets
     ]
-    parts += ["", "## Issue 2 targets (1 process)\n", markdown_targets(targets)]
+    parts += ["", "## Efficiency and steps against their targets (1 process)\n", markdown_targets(targets)]
     one = ["budget", "method", "batch_size", "efficiency", "steps", "steps_over_lower_bound"]
     one += ["mean_budget_use", "max_budget_use", "mean_batch_size", "repetition"]
     two = ["budget", "method", "efficiency", "steps", "steps_over_lower_bound", "step_balance"]

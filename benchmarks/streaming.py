@@ -294,7 +294,7 @@ def markdown(
         f"max {d.lengths.max()}"
         for d in unique.values()
     ]
-    parts += ["", "## Goals at buffer 10k (issue 12)\n"]
+    parts += ["", "## Efficiency gap and speed at buffer 10k, against their targets\n"]
 
     goal_rows = []
     for g in met:

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tokenbatch import CostModel, TokenBudgetBatchSampler
+from tokenbatch import CostModel, OversizeSampleError, TokenBudgetBatchSampler
 from tokenbatch.cli import main
 
 
@@ -119,7 +119,11 @@ def test_plan_errors_name_the_problem(capsys: pytest.CaptureFixture[str], tmp_pa
     good = tmp_path / "good.txt"
     good.write_text("5 7 300")
     error = fail(capsys, "plan", "--lengths", str(good), "--max-tokens", "100")
-    assert "sample 2 (padded length 300)" in error and "raise max_tokens to at least 300" in error
+    assert "sample 2 (padded length 300)" in error and "raise --max-tokens to at least 300" in error
+    # The fix in this command's words; Python callers keep the sampler's oversize='alone'.
+    assert "--oversize alone" in error and "--oversize skip" in error and "oversize='" not in error
+    with pytest.raises(OversizeSampleError, match="oversize='alone'"):
+        TokenBudgetBatchSampler([5, 7, 300], 100)
     unreadable = tmp_path / "broken.jsonl"
     unreadable.write_text('{"text": "a"\nnot json at all\n')
     error = fail(capsys, "plan", "--data", str(unreadable), "--tokenizer", "x", "--max-tokens", "9")

@@ -1,4 +1,4 @@
-"""``tokenbatch plan``: see an epoch's plan before spending GPU hours on it.
+"""``tokenbatch plan``: see an epoch's plan before spending GPU hours on it (and ``--plot`` it).
 
 Examples::
 
@@ -18,7 +18,7 @@ import numpy as np
 
 from tokenbatch import compare
 from tokenbatch.cost import CostModel
-from tokenbatch.plan import OVERSIZE_POLICIES
+from tokenbatch.plan import OVERSIZE_POLICIES, OversizeSampleError
 from tokenbatch.sampler import TokenBudgetBatchSampler
 
 _TEXT_FORMATS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
@@ -209,16 +209,19 @@ def baselines(sampler: TokenBudgetBatchSampler) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> int:
     lengths, source = read_lengths(args)
-    sampler = TokenBudgetBatchSampler(
-        lengths,
-        args.max_tokens,
-        cost=cost_model(args),
-        seed=args.seed,
-        max_batch_size=args.max_batch_size,
-        batch_size_multiple=args.batch_size_multiple,
-        oversize=args.oversize,
-        num_replicas=args.num_replicas,
-    )
+    try:
+        sampler = TokenBudgetBatchSampler(
+            lengths,
+            args.max_tokens,
+            cost=cost_model(args),
+            seed=args.seed,
+            max_batch_size=args.max_batch_size,
+            batch_size_multiple=args.batch_size_multiple,
+            oversize=args.oversize,
+            num_replicas=args.num_replicas,
+        )
+    except OversizeSampleError as error:
+        raise OversizeSampleError(command_line_fix(str(error))) from None
     sampler.set_epoch(args.epoch)
     report: dict[str, Any] = {
         "source": source,
@@ -235,12 +238,49 @@ def run(args: argparse.Namespace) -> int:
     if args.compare:
         report["compare"] = baselines(sampler)
     if args.plot is not None:
-        from tokenbatch.cli._plot import plot_plan
-
         plot_plan(sampler, args.plot, report.get("compare", {}).get("fixed_batch_size"))
         report["plot"] = str(args.plot)
     print(json.dumps(report, indent=2) if args.json else as_text(report))
     return 0
+
+
+def command_line_fix(message: str) -> str:
+    """The sampler's oversize error in this command's words: ``--oversize alone``, not ``oversize='alone'``.
+
+    Example:
+        >>> command_line_fix("raise max_tokens to at least 200, or pass oversize='alone' or oversize='skip'")
+        'raise --max-tokens to at least 200, or pass --oversize alone or --oversize skip'
+    """
+    for policy in OVERSIZE_POLICIES:
+        message = message.replace(f"oversize='{policy}'", f"--oversize {policy}")
+    message = message.replace("the budget max_tokens=", "the budget --max-tokens ")
+    return message.replace("raise max_tokens to", "raise --max-tokens to")
+
+
+def plot_plan(sampler: TokenBudgetBatchSampler, path: Path, fixed_batch_size: int | None = None) -> None:
+    """Draw each planned batch as a point, the budget as a curve, and a fixed batch size as a line."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ValueError("--plot needs matplotlib: pip install matplotlib") from None
+    plan = sampler.plan
+    longest = plan.batch_longest(sampler.lengths)
+    figure, axes = plt.subplots(figsize=(7, 4.5))
+    axes.scatter(longest, plan.batch_sizes(), s=12, alpha=0.7, label="tokenbatch batches")
+    grid = np.unique(np.linspace(1, sampler.lengths.max(), 400).astype(int))
+    axes.plot(grid, sampler.max_tokens / sampler.cost.sample_cost(grid), "k--", lw=1, label="budget limit")
+    if fixed_batch_size is not None:
+        axes.axhline(fixed_batch_size, color="tab:red", lw=1, label=f"fixed batch size {fixed_batch_size}")
+    axes.set(xlabel="longest sequence in the batch (tokens)", ylabel="sequences in the batch", yscale="log")
+    axes.set_title(f"{plan.num_batches} batches under max_tokens={sampler.max_tokens:g}")
+    axes.legend()
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
 
 
 def as_text(report: dict[str, Any]) -> str:
