@@ -23,10 +23,10 @@ from tokenbatch.compare import (  # noqa: E402
     as_row,
     fixed_batch_size,
     from_batches,
-    lower_bound_steps,
     measure,
     repetition,
 )
+from tokenbatch.plan import lower_bound_steps  # noqa: E402
 
 MODULES = ("padding", "planning", "training", "oom_recovery", "probe", "gpu")
 

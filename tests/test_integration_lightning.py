@@ -260,7 +260,9 @@ REFUSED = {
     r"DataLoader reads the sampler itself on 2 processes)",
     "halve": r"ValueError: mode should be 'split' under Lightning, but got mode='halve'",
     # What Lightning does without the callback (its own refusal: the sampler has no fixed batch size).
-    "replacement_no_callback": r"TypeError: .*can't inject a \(distributed\) sampler .*use_distributed_sampler",
+    "replacement_no_callback": (
+        r"TypeError: .*can't inject a \(distributed\) sampler .*use_distributed_sampler"
+    ),
 }
 
 

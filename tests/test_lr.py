@@ -282,3 +282,25 @@ def test_the_global_count_sums_both_ranks_and_their_micro_batches(tmp_path: Path
         # Rank 0: 3 texts and 7 tokens; rank 1: 5 + 2 texts and 13 + 4 tokens. Reference 5, linear.
         assert report["samples"] == {"size": 10, "lr_in_step": pytest.approx(0.01 * 10 / 5), "lr_after": 0.01}
         assert report["tokens"] == {"size": 24, "lr_in_step": pytest.approx(0.01 * 24 / 5), "lr_after": 0.01}
+
+
+def test_under_accelerate_accumulation_the_step_counts_every_batch_of_its_group() -> None:
+    """accelerate's loop calls fallback.step() after every batch; only the syncing one steps, scaled by all."""
+    from accelerate import Accelerator
+
+    torch.manual_seed(0)
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2)
+    model = torch.nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    sampler = tokenbatch.TokenBudgetBatchSampler([4, 5, 6] * 4, 64)
+    fallback = tokenbatch.OOMFallback(
+        sampler, model, accelerator=accelerator, lr_scaling="linear", lr_scaling_by="samples", lr_reference=2
+    )
+    scales = []
+    for rows in (1, 2, 3, 3):
+        with accelerator.accumulate(model):
+            fallback.backward(torch.ones(rows, 4), lambda x: model(x).square().mean())
+            scales.append(fallback.step(optimizer))
+            optimizer.zero_grad()
+    assert scales == [1.0, 1.5, 1.0, 3.0]  # (1 + 2) / 2 and (3 + 3) / 2 samples against 2

@@ -12,7 +12,7 @@ import torch
 from transformers import BertConfig
 
 from tokenbatch.cli import main
-from tokenbatch.cli.probe import parse_bytes
+from tokenbatch.cli._probe import parse_bytes
 from tokenbatch.probe import BudgetCache, BudgetKey
 
 

@@ -133,7 +133,7 @@ def test_replan_stops_a_running_iterator_that_read_past_it() -> None:
 
 
 def test_a_replan_stops_the_running_pass_and_the_next_pass_yields_the_new_plan() -> None:
-    """The pass walks the plan it started on; after a re-plan a new pass (a new DataLoader iterator) follows."""
+    """A pass walks the plan it started on; after a re-plan a new pass (a new DataLoader pass) follows."""
     lengths = long_tailed(400)
     sampler = TokenBudgetBatchSampler(lengths, 1024, seed=2, num_replicas=2)
     iterator = iter(sampler)
@@ -309,7 +309,9 @@ def test_a_lower_budget_refuses_or_leaves_out_no_sample_the_sampler_admitted(ove
         assert sampler.plan.skipped.tolist() == ([4] if oversize == "skip" else [])
 
 
-def test_a_guarded_dataloader_reading_the_global_plan_itself_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_guarded_dataloader_reading_the_global_plan_itself_is_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """rank=None on 2 processes: a plain DataLoader would give every rank every batch (issue 11, item 7)."""
     from accelerate.data_loader import BatchSamplerShard
     from torch.utils.data import DataLoader

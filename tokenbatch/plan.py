@@ -47,12 +47,10 @@ import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from tokenbatch.cost import CostModel
+from tokenbatch.cost import CostModel
 
 __all__ = ["OversizeSampleError", "Plan", "PlanStats", "batch_stats", "plan_batches"]
 

@@ -32,6 +32,7 @@ from tokenbatch import _accelerate, _checks
 from tokenbatch import _distributed as distributed
 from tokenbatch.cost import CostModel
 from tokenbatch.plan import (
+    OVERSIZE_POLICIES,
     History,
     Plan,
     Planner,
@@ -46,7 +47,6 @@ __all__ = ["TokenBudgetBatchSampler"]
 
 logger = logging.getLogger(__name__)
 
-OVERSIZE_POLICIES = ("error", "skip", "alone")
 _STATE_VERSION = 2
 _STATE_KEYS = {
     "version",

@@ -11,6 +11,8 @@ import logging
 import sys
 from collections.abc import Sequence
 
+__all__ = ["main"]
+
 
 def build_parser() -> argparse.ArgumentParser:
     """The top-level parser with every subcommand registered."""
@@ -22,13 +24,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"tokenbatch {__version__}")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name in ("plan", "probe"):
-        try:
-            module = __import__(f"tokenbatch.cli.{name}", fromlist=["register"])
-        except ModuleNotFoundError as error:
-            if error.name != f"tokenbatch.cli.{name}":
-                raise
-            continue  # not built yet
+    from tokenbatch.cli import _plan, _probe
+
+    for module in (_plan, _probe):
         module.register(subparsers)
     return parser
 

@@ -18,7 +18,7 @@ A loop with them::
             sampler.set_epoch(epoch)
             for batch in progress(fallback, train_loader, desc=f"epoch {epoch}"):
                 if fallback.backward(batch, lambda b: model(**b).loss) is not None:
-                    optimizer.step()
+                    fallback.step(optimizer)
                     optimizer.zero_grad()
             for batch in eval_loader:  # token-budget batches too: their sizes differ between processes
                 with torch.no_grad():

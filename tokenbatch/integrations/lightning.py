@@ -220,7 +220,7 @@ def oom_fallback(module: pl.LightningModule, sampler: TokenBudgetBatchSampler, *
 
         opt = self.optimizers()
         loss = self.fallback.backward(batch, lambda b: self.net(**b).loss)
-        opt.step()
+        self.fallback.step(opt)  # opt.step(), guarded like the passes
         opt.zero_grad()
 
     The fallback guards ``self.trainer.strategy.model`` (DDP-wrapped on several
@@ -250,7 +250,7 @@ def oom_fallback(module: pl.LightningModule, sampler: TokenBudgetBatchSampler, *
             "automatic_optimization should be False for OOMFallback, but got automatic_optimization=True: "
             "the fallback runs the backward pass itself (again, as micro-batches, after running out of "
             "memory). Set self.automatic_optimization = False in __init__ and step in training_step: "
-            "loss = fallback.backward(batch, loss_fn); opt.step(); opt.zero_grad()"
+            "loss = fallback.backward(batch, loss_fn); fallback.step(opt); opt.zero_grad()"
         )
     trainer = module.trainer
     model = trainer.strategy.model

@@ -401,7 +401,9 @@ class OOMFallback:
         """``optimizer.step()`` on every rank together; out of memory: free memory and retry once, or raise.
 
         With ``lr_scaling``, the step runs at the scaled learning rate (the batches trained since
-        the last step, summed over ranks: one small all-reduce).
+        the last step, summed over ranks: one small all-reduce). Under ``accelerator.accumulate``,
+        call it after every batch as accelerate's loops do: until the accelerator syncs gradients,
+        accelerate's optimizer skips the step and the batches keep counting towards it.
 
         Returns:
             The learning-rate multiplier the step ran at (1.0 without ``lr_scaling``).
@@ -411,7 +413,10 @@ class OOMFallback:
             RankFailedError: another rank's step raised an error that is not out-of-memory.
         """
         where = f"epoch {self.sampler.epoch}, step {max(self.steps_done - 1, 0)}"
-        if self._lr is None:
+        accumulating = not getattr(self.accelerator, "sync_gradients", True)
+        if self._lr is None or accumulating:
+            # Inside accelerator.accumulate() between the group's last batches, accelerate's prepared
+            # optimizer skips the step: the batches trained so far count towards the step to come.
             guarded_step(optimizer, where=where)
             return 1.0
         size, self._lr_count = global_count(self._lr_count), 0  # every rank, once per optimizer step

@@ -46,7 +46,8 @@ from tokenbatch import _checks
 from tokenbatch.cost import CostModel
 from tokenbatch.lengths import column_lengths
 from tokenbatch.oom import EvalGuard, Grow, OOMEvent, OOMFallback
-from tokenbatch.sampler import OVERSIZE_POLICIES, TokenBudgetBatchSampler, is_auto
+from tokenbatch.plan import OVERSIZE_POLICIES
+from tokenbatch.sampler import TokenBudgetBatchSampler, is_auto
 from tokenbatch.stream import TokenBudgetStream
 
 MIN_TRANSFORMERS = "4.50"

@@ -18,7 +18,7 @@ import numpy as np
 
 from tokenbatch import compare
 from tokenbatch.cost import CostModel
-from tokenbatch.plan import OVERSIZE_POLICIES, OversizeSampleError
+from tokenbatch.plan import OVERSIZE_POLICIES, OversizeSampleError, lower_bound_steps
 from tokenbatch.sampler import TokenBudgetBatchSampler
 
 _TEXT_FORMATS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
@@ -161,7 +161,7 @@ def describe(sampler: TokenBudgetBatchSampler) -> dict[str, Any]:
     return {
         "batches": stats.num_batches,
         "steps": stats.num_steps,
-        "lower_bound_steps": compare.lower_bound_steps(lengths, cost, sampler.max_tokens, plan.num_replicas),
+        "lower_bound_steps": lower_bound_steps(lengths, cost, sampler.max_tokens, plan.num_replicas),
         **compare.as_row(stats),
         "batch_size": _spread(sizes),
         "batch_longest": _spread(longest),
