@@ -103,7 +103,7 @@ def run_tokenbatch(
     """One epoch under ``OOMFallback``; the model is loaded before the clock starts.
 
     ``micro_tokens`` starts split mode at that micro-batch budget, as a
-    resumed run (``fallback.load_state_dict``) or a remembered budget would.
+    resumed run (``fallback.load_state_dict``) or a remembered budget (``fallback.start_from``) would.
     """
     from torch.utils.data import DataLoader
 
@@ -116,7 +116,7 @@ def run_tokenbatch(
     loader: DataLoader[Any] = DataLoader(data, batch_sampler=sampler, collate_fn=collator)  # type: ignore[arg-type]
     fallback = OOMFallback(sampler, model, mode=mode)
     if micro_tokens is not None:
-        fallback.load_state_dict({"version": 1, "mode": mode, "max_tokens": micro_tokens, "events": []})
+        fallback.start_from(micro_tokens)
     if oom_at is not None:
         inject_oom(model, 0, after=oom_at, times=1)
     steps: list[float] = []

@@ -285,7 +285,7 @@ def test_the_global_count_sums_both_ranks_and_their_micro_batches(tmp_path: Path
 
 
 def test_under_accelerate_accumulation_the_step_counts_every_batch_of_its_group() -> None:
-    """accelerate's loop calls fallback.step() after every batch; only the syncing one steps, scaled by all."""
+    """accelerate's loop calls fallback.step() after every batch; the syncing one steps, scaled by all."""
     from accelerate import Accelerator
 
     torch.manual_seed(0)
