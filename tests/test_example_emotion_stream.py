@@ -1,6 +1,6 @@
 """examples/emotion/stream.py end to end: a tiny BERT streaming an emotion slice, 1 and 2 processes.
 
-Out of memory is rehearsed (``--simulate_oom_above``); each epoch must still
+Out of memory is rehearsed (the driver's ``--inject_above``); each epoch must still
 train every text of the slice exactly once: the texts and real tokens trained
 over all processes equal the slice's.
 """
@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -30,14 +31,19 @@ LIMIT = 240
 @pytest.mark.slow
 @pytest.mark.parametrize(("processes", "mode"), [(1, "split"), (2, "halve")])
 def test_stream_example_trains_each_text_once_per_epoch(
-    processes: int, mode: str, tmp_path: Path, emotion_data_dir: Path, minilm_path: str, minilm_tokenizer: Any
+    processes: int,
+    mode: str,
+    tmp_path: Path,
+    emotion_data_dir: Path,
+    emotion_slice: Callable[[int, int], Path],
+    minilm_path: str,
+    minilm_tokenizer: Any,
 ) -> None:
     out = tmp_path / "epochs.json"
     args = [
-        str(RUN), str(out), "--train_file", str(emotion_data_dir / "train.jsonl"),
-        "--model_name", minilm_path,
-        "--train_limit", str(LIMIT), "--max_tokens", "1024", "--buffer_size", "64", "--oom_mode", mode,
-        "--simulate_oom_above", "700", "--learning_rate", "1e-3",
+        str(RUN), str(out), "--inject_above", "700",
+        "--train_file", str(emotion_slice(LIMIT, 0) / "train.jsonl"), "--model_name", minilm_path,
+        "--max_tokens", "1024", "--buffer_size", "64", "--oom_mode", mode, "--learning_rate", "1e-3",
     ]  # fmt: skip
     command = [sys.executable, *args]
     if processes > 1:

@@ -10,6 +10,7 @@ import re
 import resource
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -259,13 +260,12 @@ def trainer_key(trainer: Any) -> BudgetKey:
 
 @pytest.mark.slow
 def test_example_with_auto_probes_then_remembers(
-    emotion_data_dir: Path, minilm_path: str, tmp_path: Path
+    emotion_slice: Callable[[int, int], Path], minilm_path: str, tmp_path: Path
 ) -> None:
     out = tmp_path / "metrics.json"
     command = [
-        sys.executable, str(SCRIPTS / "emotion_run.py"), str(out), "--data_dir", str(emotion_data_dir),
-        "--model_name", minilm_path, "--train_limit", "120", "--eval_limit", "40", "--num_epochs", "1",
-        "--max_tokens", "auto", "--memory_limit", "64MiB",
+        sys.executable, str(SCRIPTS / "emotion_run.py"), str(out), "--data_dir", str(emotion_slice(120, 40)),
+        "--model_name", minilm_path, "--num_epochs", "1", "--max_tokens", "auto", "--memory_limit", "64MiB",
     ]  # fmt: skip
     env = child_env(TOKENBATCH_CACHE=str(tmp_path / "budgets.json"), HF_DATASETS_CACHE=str(tmp_path / "hf"))
     printed = []

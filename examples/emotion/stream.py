@@ -8,7 +8,6 @@ of similar lengths within ``--max_tokens``; every process ends each epoch at the
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from argparse import ArgumentDefaultsHelpFormatter, ArgumentParser, Namespace
 from pathlib import Path
@@ -17,14 +16,12 @@ from typing import Any
 import datasets
 import torch
 from accelerate import Accelerator
-from accelerate.utils import set_seed
 from emotion import LABELS, EmotionClassifier, load_encoder, load_tokenizer
 from torch.utils.data import DataLoader
 from transformers import DataCollatorWithPadding
 
 from tokenbatch import OOMFallback, TokenBudgetStream
 from tokenbatch.integrations.accelerate import finish, token_cost
-from tokenbatch.testing import inject_oom
 
 
 def parse_args(argv: list[str] | None = None) -> Namespace:
@@ -32,29 +29,24 @@ def parse_args(argv: list[str] | None = None) -> Namespace:
     add = parser.add_argument
     add("--model_name", default="bert-base-cased", help="hub name or local directory")
     add("--train_file", type=Path, required=True, help="JSON Lines, one {'text': ..., 'label': 0-5} a line")
-    add("--train_limit", type=int, help="read the first N texts only")
     add("--max_length", type=int, default=512, help="truncate texts to this many tokens")
     add("--max_tokens", type=float, default=16384, help="budget per batch and process, in padded tokens")
     add("--buffer_size", type=int, default=10_000, help="texts each process holds to batch from")
     add("--oom_mode", choices=("split", "halve"), default="split", help="on OOM: split, or halve the budget")
-    add("--simulate_oom_above", type=float, help="rehearsal: batches costing more run out of memory")
     add("--learning_rate", type=float, default=5e-5, help="Adam's learning rate")
     add("--num_epochs", type=int, default=2, help="passes over the file")
-    add("--seed", type=int, default=0, help="seed of the stream's order and of the head")
     return parser.parse_args(argv)
 
 
 def train(args: Namespace, accelerator: Accelerator) -> list[dict[str, Any]]:
     """Train; return per epoch the steps, texts and real tokens trained on all processes, and the loss."""
-    set_seed(args.seed)
     tokenizer = load_tokenizer(args.model_name)
     data = datasets.load_dataset("json", data_files=str(args.train_file), split="train", streaming=True)
-    data = data.take(args.train_limit) if args.train_limit else data
     encode = lambda row: tokenizer(row["text"], truncation=True, max_length=args.max_length)  # noqa: E731
     data = data.map(encode, remove_columns=["text"]).rename_column("label", "labels")
-    model = EmotionClassifier(load_encoder(args.model_name, tokenizer), len(LABELS))
+    model = EmotionClassifier(load_encoder(args.model_name), len(LABELS))
     cost = token_cost(accelerator, model.encoder.config, task="base")
-    stream = TokenBudgetStream(data, args.max_tokens, cost=cost, buffer_size=args.buffer_size, seed=args.seed)
+    stream = TokenBudgetStream(data, args.max_tokens, cost=cost, buffer_size=args.buffer_size)
     # The stream's DataLoader stays out of prepare(): each process reads its own part (docs/streaming.md).
     loader = DataLoader(stream, batch_size=None, collate_fn=DataCollatorWithPadding(tokenizer))
     optimizer = torch.optim.Adam(model.parameters(), lr=args.learning_rate)
@@ -64,15 +56,12 @@ def train(args: Namespace, accelerator: Accelerator) -> list[dict[str, Any]]:
     for epoch in range(args.num_epochs):
         stream.set_epoch(epoch)
         totals = torch.zeros(4, dtype=torch.float64)  # loss sum, steps, texts, real tokens
-        rehearsal = args.simulate_oom_above and inject_oom(model, args.simulate_oom_above, cost=cost)
-        with rehearsal or contextlib.nullcontext():
-            for batch in fallback.iterate(loader):
-                batch = batch.to(accelerator.device)
-                loss = fallback.backward(batch, lambda b: model(**b)[0])  # never None on a stream
-                fallback.step(optimizer)
-                optimizer.zero_grad()
-                real = int(batch["attention_mask"].sum())
-                totals += torch.tensor([float(loss), 1, len(batch["labels"]), real])
+        for batch in fallback.iterate(loader):
+            batch = batch.to(accelerator.device)
+            loss = fallback.backward(batch, lambda b: model(**b)[0])  # never None on a stream
+            fallback.step(optimizer)
+            optimizer.zero_grad()
+            totals += torch.tensor([float(loss), 1, len(batch["labels"]), int(batch["attention_mask"].sum())])
         loss_sum, steps, texts, tokens = accelerator.reduce(totals.to(accelerator.device)).tolist()
         epochs.append(dict(
             epoch=epoch + 1, loss=loss_sum / max(steps, 1.0), steps=int(totals[1]), texts=int(texts),

@@ -24,7 +24,7 @@ from tokenbatch import _checks
 from tokenbatch import _distributed as distributed
 from tokenbatch.cost import CostModel
 from tokenbatch.probe._cache import BudgetCache, BudgetKey
-from tokenbatch.probe._measure import LossFn, MakeBatch, held_bytes, model_device
+from tokenbatch.probe._measure import LossFn, MakeBatch, batch_maker, held_bytes, model_device
 from tokenbatch.probe._model import MemoryModel, check_margin
 from tokenbatch.probe._search import ProbeResult, default_memory_limit, find_max_tokens
 from tokenbatch.sampler import TokenBudgetBatchSampler
@@ -187,6 +187,7 @@ def auto_budget(
     cache: BudgetCache | None = None,
     key: BudgetKey | None = None,
     remember: bool = True,
+    batch: Any = None,
     make_batch: MakeBatch | None = None,
     loss_fn: LossFn | None = None,
 ) -> AutoBudget:
@@ -216,6 +217,9 @@ def auto_budget(
             :meth:`BudgetKey.for_device` of :func:`model_name`, the model's dtype
             and, on CPU, the memory limit as set).
         remember: store a probed budget in ``cache`` for the next run.
+        batch: one real collated batch, for a model whose forward needs more than token ids
+            (labels, a wrapped encoder): the probe's worst-case batches copy its keys, dtypes and
+            per-row fields (see :func:`find_max_tokens`).
         make_batch, loss_fn: for models that are not plain transformers models (see the probe).
 
     Raises:
@@ -237,6 +241,7 @@ def auto_budget(
             f"max_tokens={sampler.max_tokens:g}; make it with max_tokens='auto'"
         )
     margin = check_margin(margin)
+    make_batch = batch_maker(batch, make_batch)  # a bad batch is named now, not after the cache lookup
     config = getattr(model, "config", None) if config is None else config
     limit, memory_bytes = memory_limits(model, memory_limit, optimizer)
     device = model_device(model)

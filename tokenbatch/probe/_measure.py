@@ -99,6 +99,96 @@ def synthetic_batch(
     return batch
 
 
+class BatchLike:
+    """Worst-case batches shaped like one real collated batch: its keys, dtypes and per-row fields.
+
+    For a model that needs more than token ids (labels, a wrapped encoder, extra
+    inputs), the probe copies one batch of your own collator at each
+    ``(batch_size, length)`` it measures::
+
+        tensor in the real batch        in the probe's batch_size x length batch
+        (rows, padded length, ...)      (batch_size, length, ...): values drawn from its real tokens
+          attention_mask                  all ones but the last token of the last row (real padding)
+        (rows, ...)  (labels)           (batch_size, ...): rows drawn from the real ones
+        anything else                   passed as it is
+
+    Real tokens are the positions the ``attention_mask`` marks (all, without
+    one). Rows and padded length are read from ``attention_mask``, else
+    ``input_ids``; a batch of two or more rows tells per-row fields apart from
+    constants.
+
+    Example:
+        >>> real = {"input_ids": torch.tensor([[5, 6, 7], [5, 8, 0]]),
+        ...         "attention_mask": torch.tensor([[1, 1, 1], [1, 1, 0]]), "labels": torch.tensor([2, 4])}
+        >>> batch = BatchLike(real)(4, 6, torch.Generator().manual_seed(0))
+        >>> {k: (tuple(v.shape), str(v.dtype)) for k, v in batch.items()}["labels"]
+        ((4,), 'torch.int64')
+        >>> set(batch["input_ids"].unique().tolist()) <= {5, 6, 7, 8}, batch["attention_mask"].sum().item()
+        (True, 23)
+    """
+
+    def __init__(self, batch: Any) -> None:
+        if not isinstance(batch, Mapping):
+            raise TypeError(
+                f"batch should be one collated batch, a mapping of tensors as a collator returns it, but got "
+                f"batch of type {type(batch).__name__}; pass e.g. batch=collator([dataset[0], dataset[1]])"
+            )
+        key = next((k for k in ("attention_mask", "input_ids") if _is_2d(batch.get(k))), None)
+        if key is None:
+            shapes = {
+                k: tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__
+                for k, v in batch.items()
+            }
+            raise ValueError(
+                f"batch should hold an 'attention_mask' or 'input_ids' tensor of shape (rows, padded "
+                f"length), but got batch={shapes}; pass a batch of your collator, or make_batch=... instead"
+            )
+        self.batch: dict[str, Any] = _cpu_copy(dict(batch))
+        self.rows, self.length = (int(n) for n in self.batch[key].shape)
+        mask = self.batch.get("attention_mask")
+        self.real = mask.bool() if _is_2d(mask) else torch.ones(self.rows, self.length, dtype=torch.bool)
+        if not bool(self.real.any()):
+            raise ValueError(
+                f"batch should hold at least one real token to copy, but got batch[{key!r}] of shape "
+                f"{tuple(self.batch[key].shape)} with none; pass a batch of your training data"
+            )
+
+    def __call__(self, batch_size: int, length: int, generator: torch.Generator) -> dict[str, Any]:
+        """A batch of ``batch_size`` rows, every one ``length`` tokens long."""
+        rows = torch.randint(0, self.rows, (batch_size,), generator=generator)
+        result: dict[str, Any] = {}
+        for key, value in self.batch.items():
+            if not isinstance(value, torch.Tensor) or value.dim() == 0 or value.shape[0] != self.rows:
+                result[key] = value
+            elif key == "attention_mask" and value.dim() == 2:
+                mask = torch.ones(batch_size, length, dtype=value.dtype)
+                if length > 1:
+                    mask[-1, -1] = 0
+                result[key] = mask
+            elif value.dim() >= 2 and value.shape[1] == self.length:
+                tokens = value[self.real]  # (real tokens, ...)
+                result[key] = tokens[torch.randint(0, len(tokens), (batch_size, length), generator=generator)]
+            else:
+                result[key] = value[rows]
+        return result
+
+
+def batch_maker(batch: Any, make_batch: MakeBatch | None) -> MakeBatch | None:
+    """``make_batch``, or one that copies ``batch`` (:class:`BatchLike`); not both."""
+    if batch is None:
+        return make_batch
+    if make_batch is not None:
+        raise ValueError(
+            "pass batch= (one real batch to copy) or make_batch= (a function that builds each one), "
+            "but got both; drop one"
+        )
+    return BatchLike(batch)
+
+
+def _is_2d(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.dim() == 2
+
+
 def default_loss(output: Any, batch: Any) -> torch.Tensor:
     """``output.loss`` when the model computed one, else the mean of its first floating output."""
     loss = getattr(output, "loss", None)

@@ -28,6 +28,7 @@ from tokenbatch.probe._measure import (
     MakeBatch,
     Prober,
     ProbeStep,
+    batch_maker,
     held_bytes,
     model_device,
     preserved,
@@ -144,6 +145,7 @@ def find_max_tokens(
     cost: CostModel | None = None,
     margin: float = 0.1,
     min_len: int | None = None,
+    batch: Any = None,
     make_batch: MakeBatch | None = None,
     loss_fn: LossFn | None = None,
     tolerance: float = 0.02,
@@ -153,7 +155,7 @@ def find_max_tokens(
 
     Args:
         model: the model to train, on its device (a transformers model, or any
-            module with ``make_batch`` and ``loss_fn``).
+            module with ``batch`` or ``make_batch``, and ``loss_fn``).
         max_len: the longest padded sequence you will train on.
         lengths: your data's lengths, instead of (or besides) ``max_len`` / ``min_len``.
         memory_limit: bytes; default: on CUDA the free device memory plus what PyTorch
@@ -168,8 +170,15 @@ def find_max_tokens(
         margin: fraction of ``memory_limit`` kept free for fragmentation and
             memory outside PyTorch's allocator.
         min_len: the shortest sequence to check (default ``min(16, max_len)``).
+        batch: one real collated batch (a dict of tensors, labels and all, of two or more
+            rows) that every measured batch copies at its own shape, for a model whose forward
+            needs more than synthetic token ids: its keys and dtypes; tensors of shape (rows,
+            padded length, ...) stretched to the shape with values drawn from its real tokens
+            (``attention_mask`` all ones but the last token); per-row tensors (labels) with
+            rows drawn from its rows; anything else as it is.
         make_batch: ``(batch_size, length, generator) -> dict or tuple`` of
-            tensors for the model; default synthetic token ids for transformers models.
+            tensors for the model, instead of ``batch``; default synthetic token ids for
+            transformers models.
         loss_fn: ``(output, batch) -> scalar``; default ``output.loss`` or the mean output.
         tolerance: relative width at which the search stops bisecting.
         progress: show a tqdm progress bar.
@@ -185,6 +194,7 @@ def find_max_tokens(
     margin = check_margin(margin)
     tolerance = _checks.positive_number("tolerance", tolerance)
     min_len, max_len = _resolve_lengths(max_len, lengths, min_len)
+    make_batch = batch_maker(batch, make_batch)
     pad = cost.pad_to_multiple_of if cost is not None else 1
     own_optimizer = optimizer is None
     if optimizer is None:
