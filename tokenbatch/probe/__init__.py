@@ -39,7 +39,6 @@ jemalloc / tcmalloc), or raise ``margin``.
 
 from tokenbatch.probe._auto import AutoBudget, auto_budget, parse_memory
 from tokenbatch.probe._cache import BudgetCache, BudgetKey, remember_budget
-from tokenbatch.probe._measure import synthetic_batch
 from tokenbatch.probe._model import Measurement, MemoryModel
 from tokenbatch.probe._search import ProbeResult, find_max_tokens
 
@@ -52,9 +51,6 @@ __all__ = [
     "ProbeResult",
     "auto_budget",
     "find_max_tokens",
-    # Public while examples/emotion/train.py uses them: to parse --memory_limit, and to build the
-    # probe's batches for the encoder it wraps.
-    "parse_memory",
+    "parse_memory",  # "8GiB" -> bytes, for a --memory_limit option (the example's)
     "remember_budget",
-    "synthetic_batch",
 ]
