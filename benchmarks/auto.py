@@ -136,14 +136,21 @@ def summarise(runs: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
         if not good:
             rows.append({"setting": name, "crash": crashed[0]})
             continue
-        rows.append({
-            "setting": name, "start_max_tokens": good[0]["start_max_tokens"],
-            "final_max_tokens": good[-1]["final_max_tokens"], "source": good[0]["source"],
-            "oom_events": max(r["oom_events"] for r in good), "steps": good[0]["steps"],
-            "epoch_s": statistics.median(r["epoch_s"] for r in good),
-            "resolve_s": statistics.median(r["resolve_s"] for r in good), "runs": len(good),
-            "memory_limit_mib": good[0]["memory_limit_mib"], "crashes": len(crashed),
-        })  # fmt: skip
+        rows.append(
+            {
+                "setting": name,
+                "start_max_tokens": good[0]["start_max_tokens"],
+                "final_max_tokens": good[-1]["final_max_tokens"],
+                "source": good[0]["source"],
+                "oom_events": max(r["oom_events"] for r in good),
+                "steps": good[0]["steps"],
+                "epoch_s": statistics.median(r["epoch_s"] for r in good),
+                "resolve_s": statistics.median(r["resolve_s"] for r in good),
+                "runs": len(good),
+                "memory_limit_mib": good[0]["memory_limit_mib"],
+                "crashes": len(crashed),
+            }
+        )
     clean = [r for r in rows if r["setting"].startswith("fixed") and r.get("oom_events") == 0]
     best = min(clean, key=lambda r: r["epoch_s"]) if clean else None
     for row in rows:
@@ -155,8 +162,19 @@ def summarise(runs: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
 
 
 def markdown(rows: Sequence[dict[str, Any]], spec: dict[str, Any]) -> str:
-    columns = ["setting", "source", "start_max_tokens", "final_max_tokens", "oom_events", "steps",
-               "resolve_s", "epoch_s", "epoch_over_best_fixed", "budget_over_best_fixed", "runs"]  # fmt: skip
+    columns = [
+        "setting",
+        "source",
+        "start_max_tokens",
+        "final_max_tokens",
+        "oom_events",
+        "steps",
+        "resolve_s",
+        "epoch_s",
+        "epoch_over_best_fixed",
+        "budget_over_best_fixed",
+        "runs",
+    ]
     best = next((r for r in rows if r["best_fixed"]), None)
     note = (
         f"all-MiniLM-L6-v2, first {spec['texts']} emotion training texts (an epoch subset), 1 thread, "

@@ -161,8 +161,14 @@ def budgeted(name: str, setup: runs.Setup, precision: str, *, auto: bool = False
         sampler = TokenBudgetBatchSampler(setup.lengths, probe["max_tokens"], cost=probe["cost"], seed=0)
     runs.reset_memory(setup.device)
     fallback = OOMFallback(sampler, model, mode="split")
-    trained = runs.train_timed(model, runs.budget_loader(setup, sampler), setup, precision, fallback=fallback,
-                               inject_after=1 if setup.tiny else 3)  # fmt: skip
+    trained = runs.train_timed(
+        model,
+        runs.budget_loader(setup, sampler),
+        setup,
+        precision,
+        fallback=fallback,
+        inject_after=1 if setup.tiny else 3,
+    )
     method = "tokenbatch, max_tokens='auto'" if auto else "tokenbatch, probe's budget"
     row = {
         "method": method,
@@ -247,17 +253,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     tiny = args.tiny or device.type != "cuda"
     max_length = 16 if tiny else 512
     count = 200 if tiny else (4000 if args.quick else 20000)
-    setup = runs.Setup(device, runs.make_lengths(count, max_length), max_length, 0.5 if tiny else 10.0, tiny,
-                       simulated_limit=1024.0 if device.type != "cuda" else None)  # fmt: skip
+    setup = runs.Setup(
+        device,
+        runs.make_lengths(count, max_length),
+        max_length,
+        0.5 if tiny else 10.0,
+        tiny,
+        simulated_limit=1024.0 if device.type != "cuda" else None,
+    )
     precision = runs.precision_for(device)
     sections = Sections(args.cap, device)
-    sections.run(f"seed: find_executable_batch_size from {start_rows(setup)}, bert-base, {precision}",
-                 lambda: seed(setup, precision), needs_s=30)  # fmt: skip
+    sections.run(
+        f"seed: find_executable_batch_size from {start_rows(setup)}, bert-base, {precision}",
+        lambda: seed(setup, precision),
+        needs_s=30,
+    )
     sections.run(
         f"tokenbatch: bert-base, {precision}", lambda: budgeted("bert-base", setup, precision), needs_s=30
     )
-    sections.run("tokenbatch: bert-base, max_tokens='auto'",
-                 lambda: budgeted("bert-base", setup, precision, auto=True), needs_s=30)  # fmt: skip
+    sections.run(
+        "tokenbatch: bert-base, max_tokens='auto'",
+        lambda: budgeted("bert-base", setup, precision, auto=True),
+        needs_s=30,
+    )
     sections.run("DDP: guard vs plain DDP, 2 GPUs", lambda: ddp(setup, sections), needs_s=40)
     for name, other in (("minilm", precision), ("bert-base", "fp32"), ("minilm", "fp32")):
         sections.run(f"precision: {name}, {other}", lambda n=name, o=other: budgeted(n, setup, o), needs_s=25)  # type: ignore[misc]

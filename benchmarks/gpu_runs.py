@@ -231,8 +231,13 @@ def fixed_loader(setup: Setup, batch_size: int) -> DataLoader[Any]:
     """The seed's batches: shuffled, a fixed number of rows, padded to each batch's longest."""
     generator = torch.Generator().manual_seed(0)
     indices = list(range(len(setup.lengths)))
-    return DataLoader(indices, batch_size=batch_size, shuffle=True, generator=generator,  # type: ignore[arg-type]
-                      collate_fn=collate(setup.lengths, setup.device))  # fmt: skip
+    return DataLoader(
+        indices,
+        batch_size=batch_size,
+        shuffle=True,
+        generator=generator,  # type: ignore[arg-type]
+        collate_fn=collate(setup.lengths, setup.device),
+    )
 
 
 def budget_loader(setup: Setup, sampler: TokenBudgetBatchSampler) -> DataLoader[Any]:

@@ -79,9 +79,16 @@ def tiny_bert() -> torch.nn.Module:
 
     torch.manual_seed(0)
     config = BertConfig(
-        vocab_size=1000, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128,
-        max_position_embeddings=128, num_labels=6, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
-    )  # fmt: skip
+        vocab_size=1000,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=128,
+        max_position_embeddings=128,
+        num_labels=6,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
     return BertForSequenceClassification(config)
 
 
@@ -167,8 +174,14 @@ def main(argv: list[str] | None = None) -> None:
     for multiple in starts:
         for name, options in SCHEDULES.items():
             result = run(sizes, multiple * LIMIT, LIMIT, epochs=epochs, model=Cheap(), **options)
-            search.append({"start": multiple, "schedule": name, "final_over_limit": result["final"] / LIMIT,
-                           **{k: result[k] for k in ("oom_events", "failed_tries", "growths")}})  # fmt: skip
+            search.append(
+                {
+                    "start": multiple,
+                    "schedule": name,
+                    "final_over_limit": result["final"] / LIMIT,
+                    **{k: result[k] for k in ("oom_events", "failed_tries", "growths")},
+                }
+            )
             print(search[-1], flush=True)
 
     arms: dict[str, dict[str, Any]] = {
@@ -190,8 +203,11 @@ def main(argv: list[str] | None = None) -> None:
         pairs = zip(timing[arm], timing["at_limit"], strict=True)
         return statistics.median(a[key] / b[key] for a, b in pairs)
 
-    ratios = {f"{arm}_{key}": ratio(arm, key) for arm in ("grow_from_16x", "halve_from_16x")
-              for key in ("seconds", "last_epoch_seconds")}  # fmt: skip
+    ratios = {
+        f"{arm}_{key}": ratio(arm, key)
+        for arm in ("grow_from_16x", "halve_from_16x")
+        for key in ("seconds", "last_epoch_seconds")
+    }
     # What one OOM costs at least, whatever the model: the guard's gc.collect (accelerate's release).
     from tokenbatch.oom import free_memory
 
@@ -204,9 +220,17 @@ def main(argv: list[str] | None = None) -> None:
         "oom_events_from_16x_le_5": grow16["oom_events"] <= 5,
         "epoch_time_ratio_le_1.05": ratios["grow_from_16x_seconds"] <= 1.05,
     }
-    results = {"source": source, "samples": len(sizes), "epochs": epochs, "limit": LIMIT, "search": search,
-               "timing": timing, "time_over_at_limit": ratios, "free_memory_seconds": free_memory_seconds,
-               "goals": goals}  # fmt: skip
+    results = {
+        "source": source,
+        "samples": len(sizes),
+        "epochs": epochs,
+        "limit": LIMIT,
+        "search": search,
+        "timing": timing,
+        "time_over_at_limit": ratios,
+        "free_memory_seconds": free_memory_seconds,
+        "goals": goals,
+    }
     columns = ["start", "schedule", "final_over_limit", "oom_events", "failed_tries", "growths"]
     markdown = (
         f"True limit {LIMIT:g} padded tokens (injected OOMs above it), {len(sizes)} {source} texts, "

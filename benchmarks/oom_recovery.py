@@ -128,8 +128,14 @@ def run_tokenbatch(
             optimizer.zero_grad()
         steps.append(time.perf_counter() - began)
     seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
-    return {"seconds": seconds, "cpu_seconds": cpu, "steps": len(steps), "step_seconds": steps,
-            "events": [e.as_dict() for e in fallback.events], "max_tokens": fallback.max_tokens}  # fmt: skip
+    return {
+        "seconds": seconds,
+        "cpu_seconds": cpu,
+        "steps": len(steps),
+        "step_seconds": steps,
+        "events": [e.as_dict() for e in fallback.events],
+        "max_tokens": fallback.max_tokens,
+    }
 
 
 def run_seed(
@@ -219,22 +225,33 @@ def recovery(data: list[dict[str, Any]], collator: Any, budget: int, repeats: in
         ("seed", "find_executable_batch_size (seed)", "seed, no OOM"),
     ):
         oom, again, last = f"{name}, OOM", f"{name}, recovered", results[f"{name}, OOM"][-1]
-        table.append({
-            "approach": label,
-            "no OOM s": wall[base],
-            "one OOM s": wall[oom],
-            "ratio": wall[oom] / wall[base],
-            "CPU ratio": cpu[oom] / cpu[base],
-            "recovered setting from the start s": wall[again],
-            "ratio to it": wall[oom] / wall[again],
-            "CPU ratio to it": cpu[oom] / cpu[again],
-            "steps": last.get("steps", "-"),
-            "after the OOM": f"max_tokens {last['max_tokens']:g}" if "max_tokens" in last
-                             else f"batch size {' -> '.join(map(str, last['batch_sizes']))}",
-        })  # fmt: skip
-    return {"num_steps": num_steps, "seed_batch_size": batch_size, "oom_at_step": middle,
-            "recovered_max_tokens": recovered, "recovered_batch_size": smaller,
-            "median_seconds": wall, "median_cpu_seconds": cpu, "table": table, "runs": results}  # fmt: skip
+        table.append(
+            {
+                "approach": label,
+                "no OOM s": wall[base],
+                "one OOM s": wall[oom],
+                "ratio": wall[oom] / wall[base],
+                "CPU ratio": cpu[oom] / cpu[base],
+                "recovered setting from the start s": wall[again],
+                "ratio to it": wall[oom] / wall[again],
+                "CPU ratio to it": cpu[oom] / cpu[again],
+                "steps": last.get("steps", "-"),
+                "after the OOM": f"max_tokens {last['max_tokens']:g}"
+                if "max_tokens" in last
+                else f"batch size {' -> '.join(map(str, last['batch_sizes']))}",
+            }
+        )
+    return {
+        "num_steps": num_steps,
+        "seed_batch_size": batch_size,
+        "oom_at_step": middle,
+        "recovered_max_tokens": recovered,
+        "recovered_batch_size": smaller,
+        "median_seconds": wall,
+        "median_cpu_seconds": cpu,
+        "table": table,
+        "runs": results,
+    }
 
 
 # -- 2. guard overhead, two processes ---------------------------------------------------------
@@ -283,10 +300,26 @@ def overhead(count: int, budget: int, pairs: int) -> dict[str, Any]:
     """Launch the 2-process overhead measurement and summarise it."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "overhead.json"
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-               "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}  # fmt: skip
-        command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", __file__,
-                   "--worker", str(out), str(count), str(budget), str(pairs)]  # fmt: skip
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+            "OMP_NUM_THREADS": "1",
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_VERBOSITY": "error",
+        }
+        command = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            __file__,
+            "--worker",
+            str(out),
+            str(count),
+            str(budget),
+            str(pairs),
+        ]
         subprocess.run(command, env=env, check=True, timeout=1800)
         result = json.loads(out.read_text())
     guarded, plain = result["times"]["guarded"], result["times"]["plain"]
@@ -303,9 +336,17 @@ def overhead(count: int, budget: int, pairs: int) -> dict[str, Any]:
 
 
 COLUMNS = [
-    "approach", "no OOM s", "one OOM s", "ratio", "CPU ratio",
-    "recovered setting from the start s", "ratio to it", "CPU ratio to it", "steps", "after the OOM",
-]  # fmt: skip
+    "approach",
+    "no OOM s",
+    "one OOM s",
+    "ratio",
+    "CPU ratio",
+    "recovered setting from the start s",
+    "ratio to it",
+    "CPU ratio to it",
+    "steps",
+    "after the OOM",
+]
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:

@@ -292,18 +292,27 @@ def markdown(rows: Sequence[dict[str, Any]]) -> str:
             for row in rows
         ],
         [
-            "model", "attention", "max_len", "memory_limit_mib", "probe", "suggested_max_tokens",
-            "held-out error median / worst", "suggested / largest real (mmap threshold)",
-            "suggested / largest real (default malloc)", "search",
+            "model",
+            "attention",
+            "max_len",
+            "memory_limit_mib",
+            "probe",
+            "suggested_max_tokens",
+            "held-out error median / worst",
+            "suggested / largest real (mmap threshold)",
+            "suggested / largest real (default malloc)",
+            "search",
         ],
-    )  # fmt: skip
+    )
     analytic = common.markdown_table(
         rows,
         [
-            "model", "analytic_over_fit_linear", "analytic_over_fit_quadratic",
+            "model",
+            "analytic_over_fit_linear",
+            "analytic_over_fit_quadratic",
             "analytic_over_fit_sequence_at_max_len",
         ],
-    )  # fmt: skip
+    )
     return (
         "Probe on CPU (torch profiler memory accounting). Budgets are in the fitted cost model's "
         "token units. 'Largest real' = largest budget whose worst-case batches train in a child "

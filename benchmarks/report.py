@@ -22,9 +22,19 @@ from benchmarks.readings import READERS, headline
 # "auto", "lr_scaling" and "trainer_lr" are run on their own, not by ``python -m benchmarks``:
 # 15 minutes to over an hour each on CPU.
 MODULES = (
-    "padding", "planning", "streaming", "training", "lr_scaling", "trainer_lr", "oom_recovery",
-    "growth", "probe", "auto", "gpu", "ddp_overlap",
-)  # fmt: skip
+    "padding",
+    "planning",
+    "streaming",
+    "training",
+    "lr_scaling",
+    "trainer_lr",
+    "oom_recovery",
+    "growth",
+    "probe",
+    "auto",
+    "gpu",
+    "ddp_overlap",
+)
 # What a person wrote about a benchmark's figures (benchmarks/notes/<name>.md): kept apart from
 # the generated results/<name>.md, so that rerunning a benchmark does not erase the reading.
 NOTES = Path(__file__).resolve().parent / "notes"

@@ -202,9 +202,15 @@ def stream_ranks(data: Dataset, buffer: int, world: int) -> Plan:
 
     def work(rank: int) -> None:
         stream = TokenBudgetStream(
-            range(len(lengths)), data.budget, cost=data.cost, length=lengths.__getitem__, buffer_size=buffer,
-            num_replicas=world, rank=rank, agree=agreement.for_rank(rank),
-        )  # fmt: skip
+            range(len(lengths)),
+            data.budget,
+            cost=data.cost,
+            length=lengths.__getitem__,
+            buffer_size=buffer,
+            num_replicas=world,
+            rank=rank,
+            agree=agreement.for_rank(rank),
+        )
         per_rank[rank] = [list(batch) for batch in stream]
 
     threads = [threading.Thread(target=work, args=(rank,)) for rank in range(world)]
@@ -259,11 +265,16 @@ def run_balance(data: Dataset, buffer: int) -> list[dict[str, Any]]:
             stats = batch_stats(plan, data.lengths, data.cost, data.budget)
             rows.append(
                 {
-                    "dataset": data.name, "budget": data.budget, "ranks": world, "method": method,
-                    "buffer": buffer if method == "stream" else "all", "steps": stats.num_steps,
-                    "step_balance": stats.step_balance, "efficiency": stats.padding_efficiency,
+                    "dataset": data.name,
+                    "budget": data.budget,
+                    "ranks": world,
+                    "method": method,
+                    "buffer": buffer if method == "stream" else "all",
+                    "steps": stats.num_steps,
+                    "step_balance": stats.step_balance,
+                    "efficiency": stats.padding_efficiency,
                 }
-            )  # fmt: skip
+            )
     return rows
 
 

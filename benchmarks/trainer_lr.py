@@ -54,17 +54,35 @@ def worker(spec: dict[str, Any]) -> None:
         return {"macro_f1": float(f1_score(prediction.label_ids, labels, average="macro", zero_division=0))}
 
     arguments = TrainingArguments(
-        spec["work"], num_train_epochs=spec["num_epochs"], learning_rate=spec["learning_rate"],
-        per_device_train_batch_size=32, lr_scheduler_type="constant", weight_decay=0.0,
-        eval_strategy="steps", eval_steps=spec["eval_every"], logging_steps=spec["eval_every"],
-        save_strategy="no", report_to=[], seed=spec["seed"], data_seed=spec["seed"], use_cpu=True,
-        dataloader_num_workers=0, disable_tqdm=True,
-    )  # fmt: skip
+        spec["work"],
+        num_train_epochs=spec["num_epochs"],
+        learning_rate=spec["learning_rate"],
+        per_device_train_batch_size=32,
+        lr_scheduler_type="constant",
+        weight_decay=0.0,
+        eval_strategy="steps",
+        eval_steps=spec["eval_every"],
+        logging_steps=spec["eval_every"],
+        save_strategy="no",
+        report_to=[],
+        seed=spec["seed"],
+        data_seed=spec["seed"],
+        use_cpu=True,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+    )
     trainer = TokenBudgetTrainer(
-        model=model, args=arguments, train_dataset=train, eval_dataset=validation,
-        processing_class=tokenizer, compute_metrics=macro_f1, max_tokens=spec["max_tokens"],
-        cost=CostModel.attention(spec["crossover"]), oom_mode=None, lr_scaling=spec["lr_scaling"],
-    )  # fmt: skip
+        model=model,
+        args=arguments,
+        train_dataset=train,
+        eval_dataset=validation,
+        processing_class=tokenizer,
+        compute_metrics=macro_f1,
+        max_tokens=spec["max_tokens"],
+        cost=CostModel.attention(spec["crossover"]),
+        oom_mode=None,
+        lr_scaling=spec["lr_scaling"],
+    )
     trainer.train()
     steps_per_epoch = trainer.train_sampler.plan.num_steps  # type: ignore[union-attr]
     evals = [
@@ -97,8 +115,12 @@ def launch(spec: dict[str, Any]) -> dict[str, Any]:
     with open(Path(spec["out"]).with_suffix(".log"), "w") as log:
         done = subprocess.run(
             [sys.executable, "-m", "benchmarks.trainer_lr", "--worker", json.dumps(spec)],
-            env=env, cwd=common.REPO, stdout=log, stderr=subprocess.STDOUT, check=False,
-        )  # fmt: skip
+            env=env,
+            cwd=common.REPO,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            check=False,
+        )
     if done.returncode != 0:
         raise SystemExit(f"{spec['arm']} seed {spec['seed']} failed (exit {done.returncode}); see its log")
     print(f"  {spec['arm']} seed {spec['seed']} done", flush=True)
@@ -130,16 +152,29 @@ def main(argv: list[str] | None = None) -> None:
     work = args.out / "trainer-lr-runs"
     work.mkdir(parents=True, exist_ok=True)
     base = {
-        "model_name": model, "data_dir": str(data / "emotion"), "train_limit": train_limit,
-        "eval_limit": 200 if args.quick else None, "num_epochs": epochs, "max_tokens": budget,
-        "crossover": crossover, "eval_every": args.eval_every,
-    }  # fmt: skip
+        "model_name": model,
+        "data_dir": str(data / "emotion"),
+        "train_limit": train_limit,
+        "eval_limit": 200 if args.quick else None,
+        "num_epochs": epochs,
+        "max_tokens": budget,
+        "crossover": crossover,
+        "eval_every": args.eval_every,
+    }
     arms = {"hand-tuned": (2e-4, "none"), "scaled": (5e-5, "linear")}
     specs = [
-        {**base, "arm": arm, "seed": seed, "learning_rate": lr, "lr_scaling": rule,
-         "out": str(work / f"{arm}-seed{seed}.json"), "work": str(work / f"{arm}-seed{seed}")}
-        for seed in seeds for arm, (lr, rule) in arms.items()
-    ]  # fmt: skip
+        {
+            **base,
+            "arm": arm,
+            "seed": seed,
+            "learning_rate": lr,
+            "lr_scaling": rule,
+            "out": str(work / f"{arm}-seed{seed}.json"),
+            "work": str(work / f"{arm}-seed{seed}"),
+        }
+        for seed in seeds
+        for arm, (lr, rule) in arms.items()
+    ]
     saved = {spec["out"]: saved_run(spec) for spec in specs} if args.reuse else {}
     todo = [spec for spec in specs if saved.get(spec["out"]) is None]
     with ThreadPoolExecutor(2) as pool:  # one run per core

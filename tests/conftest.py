@@ -215,9 +215,13 @@ def torchrun() -> Torchrun:
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
         command += ["--nproc_per_node", str(nproc), str(script), *map(str, args)]
         child = subprocess.Popen(
-            command, env=variables, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            command,
+            env=variables,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
             start_new_session=True,
-        )  # fmt: skip
+        )
         try:
             stdout, stderr = child.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -229,8 +233,10 @@ def torchrun() -> Torchrun:
             except subprocess.TimeoutExpired:
                 os.killpg(child.pid, signal.SIGKILL)
                 stdout, stderr = child.communicate()
-            pytest.fail(f"the {nproc}-process run of {script.name} hung (no result in {timeout:g} s); "
-                        f"its stderr ends: {stderr[-3000:] or '(nothing)'}")  # fmt: skip
+            pytest.fail(
+                f"the {nproc}-process run of {script.name} hung (no result in {timeout:g} s); "
+                f"its stderr ends: {stderr[-3000:] or '(nothing)'}"
+            )
         done = subprocess.CompletedProcess(command, child.returncode, stdout, stderr)
         assert done.returncode == 0, done.stderr[-4000:]
         return done

@@ -163,8 +163,16 @@ def test_measure_agrees_with_the_sampler_stats() -> None:
     ours = measure((sampler.plan.order, sampler.plan.offsets), lengths, cost, 8192)
     assert ours == stats  # one stats function: the same numbers, to the last bit
     row = as_row(ours)
-    assert list(row) == ["efficiency", "token_efficiency", "steps", "steps_over_lower_bound",
-                         "mean_budget_use", "max_budget_use", "mean_batch_size", "step_balance"]  # fmt: skip
+    assert list(row) == [
+        "efficiency",
+        "token_efficiency",
+        "steps",
+        "steps_over_lower_bound",
+        "mean_budget_use",
+        "max_budget_use",
+        "mean_batch_size",
+        "step_balance",
+    ]
     assert row["efficiency"] == stats.cost_efficiency and row["token_efficiency"] == stats.padding_efficiency
     assert row["steps"] == stats.num_steps
     expected_bound = float(cost.sample_cost(lengths).sum()) / 8192

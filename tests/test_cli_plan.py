@@ -39,8 +39,22 @@ def test_plan_numbers_match_the_sampler(
     capsys: pytest.CaptureFixture[str], lengths_file: tuple[Path, np.ndarray]
 ) -> None:
     path, lengths = lengths_file
-    report = run_json(capsys, "plan", "--lengths", str(path), "--max-tokens", "4096", "--attention", "256",
-                      "--num-replicas", "2", "--seed", "3", "--epoch", "1")  # fmt: skip
+    report = run_json(
+        capsys,
+        "plan",
+        "--lengths",
+        str(path),
+        "--max-tokens",
+        "4096",
+        "--attention",
+        "256",
+        "--num-replicas",
+        "2",
+        "--seed",
+        "3",
+        "--epoch",
+        "1",
+    )
     sampler = TokenBudgetBatchSampler(lengths, 4096, cost=CostModel.attention(256), seed=3, num_replicas=2)
     sampler.set_epoch(1)
     stats = sampler.stats()
@@ -80,8 +94,20 @@ def test_plan_tokenizes_a_jsonl_text_column(
     data = tmp_path / "train.jsonl"
     data.write_text("\n".join(json.dumps({"sentence": t, "label": 1}) for t in texts))
     path = minilm_tokenizer.name_or_path
-    report = run_json(capsys, "plan", "--data", str(data), "--tokenizer", path, "--text-column", "sentence",
-                      "--max-length", "32", "--max-tokens", "512")  # fmt: skip
+    report = run_json(
+        capsys,
+        "plan",
+        "--data",
+        str(data),
+        "--tokenizer",
+        path,
+        "--text-column",
+        "sentence",
+        "--max-length",
+        "32",
+        "--max-tokens",
+        "512",
+    )
     expected = [len(minilm_tokenizer(t, truncation=True, max_length=32)["input_ids"]) for t in texts]
     assert report["lengths"]["count"] == 100
     assert report["lengths"]["max"] == max(expected) == 32
@@ -100,8 +126,9 @@ def test_plan_reads_a_saved_dataset_and_draws_a_plot(
         tmp_path / "ds"
     )
     picture = tmp_path / "plan.png"
-    report = run_json(capsys, "plan", "--dataset", str(tmp_path / "ds"), "--max-tokens", "24",
-                      "--plot", str(picture))  # fmt: skip
+    report = run_json(
+        capsys, "plan", "--dataset", str(tmp_path / "ds"), "--max-tokens", "24", "--plot", str(picture)
+    )
     assert report["lengths"]["count"] == 6 and report["lengths"]["max"] == 12
     assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "'nope'" in fail(
@@ -149,8 +176,20 @@ def test_plan_prints_the_samplers_own_stats(
     from tokenbatch.compare import as_row
 
     path, lengths = lengths_file
-    report = run_json(capsys, "plan", "--lengths", str(path), "--max-tokens", "4096",
-                      "--pad-to-multiple-of", "8", "--num-replicas", "3", "--seed", "5")  # fmt: skip
+    report = run_json(
+        capsys,
+        "plan",
+        "--lengths",
+        str(path),
+        "--max-tokens",
+        "4096",
+        "--pad-to-multiple-of",
+        "8",
+        "--num-replicas",
+        "3",
+        "--seed",
+        "5",
+    )
     cost = CostModel(pad_to_multiple_of=8)
     sampler = TokenBudgetBatchSampler(lengths, 4096, cost=cost, seed=5, num_replicas=3)
     stats = sampler.stats()

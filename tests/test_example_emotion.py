@@ -60,23 +60,40 @@ def run_example(
     """The example on ``data_dir`` (a slice: TRAIN_LIMIT and EVAL_LIMIT texts) through the driver."""
     out = tmp_path / "metrics.json"
     args = [
-        str(RUN), str(out),
-        "--data_dir", str(data_dir),
-        "--model_name", model,
-        "--num_epochs", str(EPOCHS),
-        "--max_tokens", str(MAX_TOKENS),
-        "--learning_rate", "1e-3",
+        str(RUN),
+        str(out),
+        "--data_dir",
+        str(data_dir),
+        "--model_name",
+        model,
+        "--num_epochs",
+        str(EPOCHS),
+        "--max_tokens",
+        str(MAX_TOKENS),
+        "--learning_rate",
+        "1e-3",
         *extra,
-    ]  # fmt: skip
+    ]
     if processes == 1:
         command = [sys.executable, *args]
     else:
         command = [
-            sys.executable, "-m", "accelerate.commands.launch",
-            "--multi_gpu", "--num_processes", str(processes), "--num_machines", "1",
-            "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port()),
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            "--multi_gpu",
+            "--num_processes",
+            str(processes),
+            "--num_machines",
+            "1",
+            "--mixed_precision",
+            "no",
+            "--dynamo_backend",
+            "no",
+            "--main_process_port",
+            str(free_port()),
             *args,
-        ]  # fmt: skip
+        ]
     done = subprocess.run(command, env=env(tmp_path), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, f"exit {done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
     return done, json.loads(out.read_text())
@@ -161,9 +178,12 @@ def test_two_processes(
 ) -> None:
     """OOM on one rank only: the other must follow it (agree, split or re-plan) and nothing hangs."""
     done, metrics = run_example(
-        tmp_path, sliced, minilm_path, 2,
+        tmp_path,
+        sliced,
+        minilm_path,
+        2,
         *("--oom_mode", mode, "--inject_above", "700", "--inject_where", where, "--inject_rank", rank),
-    )  # fmt: skip
+    )
     check_run(done, metrics, train_tokens, 2)  # the lr's reference: the seed's 32 texts on each process
     assert metrics["world_size"] == 2
     assert {tuple(event["ranks"]) for event in metrics["oom_events"]} == {(int(rank),)}

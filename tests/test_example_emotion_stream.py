@@ -41,17 +41,42 @@ def test_stream_example_trains_each_text_once_per_epoch(
 ) -> None:
     out = tmp_path / "epochs.json"
     args = [
-        str(RUN), str(out), "--inject_above", "700",
-        "--train_file", str(emotion_slice(LIMIT, 0) / "train.jsonl"), "--model_name", minilm_path,
-        "--max_tokens", "1024", "--buffer_size", "64", "--oom_mode", mode, "--learning_rate", "1e-3",
-    ]  # fmt: skip
+        str(RUN),
+        str(out),
+        "--inject_above",
+        "700",
+        "--train_file",
+        str(emotion_slice(LIMIT, 0) / "train.jsonl"),
+        "--model_name",
+        minilm_path,
+        "--max_tokens",
+        "1024",
+        "--buffer_size",
+        "64",
+        "--oom_mode",
+        mode,
+        "--learning_rate",
+        "1e-3",
+    ]
     command = [sys.executable, *args]
     if processes > 1:
         command = [
-            sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes",
-            str(processes), "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-            "--main_process_port", str(free_port()), *args,
-        ]  # fmt: skip
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            "--multi_gpu",
+            "--num_processes",
+            str(processes),
+            "--num_machines",
+            "1",
+            "--mixed_precision",
+            "no",
+            "--dynamo_backend",
+            "no",
+            "--main_process_port",
+            str(free_port()),
+            *args,
+        ]
     done = subprocess.run(command, env=env(tmp_path), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, f"{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
     epochs = json.loads(out.read_text())

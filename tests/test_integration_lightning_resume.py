@@ -74,9 +74,14 @@ def original(tmp_path_factory: pytest.TempPathFactory) -> tuple[lc.Recorder, Pat
 
 @pytest.mark.parametrize(
     "checkpoint",
-    ["steps/epoch=0-step=3", "steps/epoch=0-step=6", "steps/epoch=1-step=9", "last_batch/epoch=0-step=7",
-     "epoch_end/epoch=0-step=7"],
-)  # fmt: skip
+    [
+        "steps/epoch=0-step=3",
+        "steps/epoch=0-step=6",
+        "steps/epoch=1-step=9",
+        "last_batch/epoch=0-step=7",
+        "epoch_end/epoch=0-step=7",
+    ],
+)
 def test_fit_from_a_checkpoint_resumes_at_the_next_sample(
     original: tuple[lc.Recorder, Path], tmp_path: Path, checkpoint: str
 ) -> None:

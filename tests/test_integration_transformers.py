@@ -171,9 +171,13 @@ def test_halve_mode_replans_and_stretches_the_run(halve_run: Any) -> None:
     [("split", "checkpoint-2"), ("halve", "checkpoint-3"), ("halve", "end-of-epoch-0")],
 )
 def test_resume_continues_at_the_same_sample_with_the_same_budget(
-    request: pytest.FixtureRequest, emotion_data_dir: Path, minilm_tokenizer: Any, tmp_path: Path, mode: str,
+    request: pytest.FixtureRequest,
+    emotion_data_dir: Path,
+    minilm_tokenizer: Any,
+    tmp_path: Path,
+    mode: str,
     checkpoint: str,
-) -> None:  # fmt: skip
+) -> None:
     original = request.getfixturevalue(f"{mode}_run")
     out = Path(original.args.output_dir)
     if checkpoint == "end-of-epoch-0":
@@ -241,9 +245,18 @@ def test_no_private_trainer_method_is_overridden() -> None:
     overridden = {name for cls in ours for name in vars(cls) if callable(getattr(Trainer, name, None))}
     assert {name for name in overridden if name.startswith("_") and not name.startswith("__")} == set()
     assert overridden == {
-        "__init__", "train", "get_train_dataloader", "get_eval_dataloader", "get_test_dataloader",
-        "create_scheduler", "training_step", "log", "evaluation_loop", "prediction_step", "predict",
-    }  # fmt: skip
+        "__init__",
+        "train",
+        "get_train_dataloader",
+        "get_eval_dataloader",
+        "get_test_dataloader",
+        "create_scheduler",
+        "training_step",
+        "log",
+        "evaluation_loop",
+        "prediction_step",
+        "predict",
+    }
 
 
 def test_the_declared_transformers_bound_is_the_one_enforced(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -373,10 +386,24 @@ def ddp_runs(tmp_path_factory: pytest.TempPathFactory, emotion_data_dir: Path) -
         "HF_HUB_OFFLINE": "1",
     }
     command = [
-        sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-        "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-        "--main_process_port", "0", str(SCRIPTS / "trainer_ddp.py"), str(emotion_data_dir), str(out),
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--multi_gpu",
+        "--num_processes",
+        "2",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        "--main_process_port",
+        "0",
+        str(SCRIPTS / "trainer_ddp.py"),
+        str(emotion_data_dir),
+        str(out),
+    ]
     try:
         done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=420)
     except subprocess.TimeoutExpired as error:

@@ -33,8 +33,12 @@ LIMIT = 200.0  # the true limit: 320 halves to 240, which fails, then to 200; gr
 
 
 @pytest.fixture(scope="module", params=[("halve", 1), ("split", 1), ("halve", 2)], ids=str)
-def grown(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
-          emotion_data_dir: Path, minilm_tokenizer: Any) -> Any:  # fmt: skip
+def grown(
+    request: pytest.FixtureRequest,
+    tmp_path_factory: pytest.TempPathFactory,
+    emotion_data_dir: Path,
+    minilm_tokenizer: Any,
+) -> Any:
     """A 3-epoch run with growth on (mode, accumulation), OOM over LIMIT; a checkpoint at RESUME_STEP."""
     mode, accumulation = request.param
     out = tmp_path_factory.mktemp(f"grow_{mode}_{accumulation}")
@@ -84,8 +88,14 @@ def test_max_steps_run_grows_and_keeps_its_length(
 ) -> None:
     """With max_steps, growth re-plans in halve mode and the run stays that many steps, no sample twice."""
     max_steps = 24  # into the second epoch
-    trainer = tc.make_trainer(emotion_data_dir, minilm_tokenizer, tmp_path, oom_mode="halve",
-                              oom_grow=True, arguments={"max_steps": max_steps})  # fmt: skip
+    trainer = tc.make_trainer(
+        emotion_data_dir,
+        minilm_tokenizer,
+        tmp_path,
+        oom_mode="halve",
+        oom_grow=True,
+        arguments={"max_steps": max_steps},
+    )
     with inject_oom(trainer.model, LIMIT, where="forward"):
         trainer.train()
     steps = trainer.recorder.steps
@@ -108,8 +118,9 @@ def test_a_stream_only_shrinks_under_the_same_default(
     emotion_data_dir: Path, minilm_tokenizer: Any, tmp_path: Path
 ) -> None:
     """Growth proves a budget on a plan, which a stream has not: oom_grow=True (the default) shrinks only."""
-    trainer = tc.make_trainer(emotion_data_dir, minilm_tokenizer, tmp_path, oom_grow=True,
-                              arguments={"max_steps": 4})  # fmt: skip
+    trainer = tc.make_trainer(
+        emotion_data_dir, minilm_tokenizer, tmp_path, oom_grow=True, arguments={"max_steps": 4}
+    )
     trainer.train_dataset = trainer.train_dataset.to_iterable_dataset(num_shards=2)
     with inject_oom(trainer.model, 150, times=1):
         trainer.train()

@@ -230,11 +230,17 @@ def test_bad_settings_are_refused_by_name(
     def make(**options: Any) -> Any:
         return tc.make_trainer(emotion_data_dir, minilm_tokenizer, tmp_path, **options)
 
-    with pytest.raises(ValueError, match=r"lr_scaling should be one of 'none', 'linear', 'sqrt', but got "
-                                         r"lr_scaling='cubic'"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"lr_scaling should be one of 'none', 'linear', 'sqrt', but got "
+        r"lr_scaling='cubic'",
+    ):
         make(lr_scaling="cubic")
-    with pytest.raises(ValueError, match=r"lr_scaling_by should be one of 'tokens', 'samples', but got "
-                                         r"lr_scaling_by='words'"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"lr_scaling_by should be one of 'tokens', 'samples', but got "
+        r"lr_scaling_by='words'",
+    ):
         make(lr_scaling="linear", lr_scaling_by="words")
     with pytest.raises(
         ValueError, match=r"lr_reference should be a positive finite number, but got lr_reference=0"
@@ -244,8 +250,11 @@ def test_bad_settings_are_refused_by_name(
         TypeError, match=r"lr_reference should be a positive number, but got lr_reference='big'"
     ):
         make(lr_scaling="sqrt", lr_reference="big")
-    with pytest.raises(ValueError, match=r"lr_reference is used only with lr_scaling='linear' or 'sqrt', but "
-                                         r"got lr_reference=512.0 with lr_scaling='none'"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"lr_reference is used only with lr_scaling='linear' or 'sqrt', but "
+        r"got lr_reference=512.0 with lr_scaling='none'",
+    ):
         make(lr_reference=512)
     with pytest.raises(ValueError, match=r"lr_scaling_by is used only with .* lr_scaling_by='samples' with"):
         make(lr_scaling_by="samples")
@@ -260,23 +269,32 @@ def test_a_stream_needs_a_reference_in_tokens(
 
     stream = tc.tokenized(emotion_data_dir, minilm_tokenizer).to_iterable_dataset(num_shards=2)
     arguments = {"max_steps": 4}
-    with pytest.raises(ValueError, match=r"lr_reference should be given with lr_scaling_by='tokens' and an "
-                                         r"iterable train_dataset .* but got lr_reference=None"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"lr_reference should be given with lr_scaling_by='tokens' and an "
+        r"iterable train_dataset .* but got lr_reference=None",
+    ):
         TokenBudgetTrainer(
-            tc.tiny_model(len(minilm_tokenizer)), TrainingArguments(str(tmp_path), use_cpu=True, max_steps=4),
-            train_dataset=stream, processing_class=minilm_tokenizer, max_tokens=320, lr_scaling="linear",
-        )  # fmt: skip
+            tc.tiny_model(len(minilm_tokenizer)),
+            TrainingArguments(str(tmp_path), use_cpu=True, max_steps=4),
+            train_dataset=stream,
+            processing_class=minilm_tokenizer,
+            max_tokens=320,
+            lr_scaling="linear",
+        )
     # Set after construction (as the stream tests do): refused when training starts, before any step.
-    trainer = tc.make_trainer(emotion_data_dir, minilm_tokenizer, tmp_path, lr_scaling="linear",
-                              arguments=arguments)  # fmt: skip
+    trainer = tc.make_trainer(
+        emotion_data_dir, minilm_tokenizer, tmp_path, lr_scaling="linear", arguments=arguments
+    )
     trainer.train_dataset = stream
     with pytest.raises(ValueError, match=r"lr_reference should be given with lr_scaling_by='tokens'"):
         trainer.train()
     assert trainer.state.global_step == 0
     # In samples, or with a reference, a stream scales too.
     for options in ({"lr_scaling_by": "samples"}, {"lr_reference": 200.0}):
-        trainer = tc.make_trainer(emotion_data_dir, minilm_tokenizer, tmp_path, lr_scaling="linear",
-                                  arguments=arguments, **options)  # fmt: skip
+        trainer = tc.make_trainer(
+            emotion_data_dir, minilm_tokenizer, tmp_path, lr_scaling="linear", arguments=arguments, **options
+        )
         trainer.train_dataset = stream
         probe = rate_probe(trainer)
         trainer.add_callback(probe)
@@ -297,8 +315,11 @@ def test_batches_without_an_attention_mask_need_samples(
 
     options = {"data_collator": collate, "lr_scaling": "linear", "arguments": {"max_steps": 2}}
     trainer = tc.make_trainer(emotion_data_dir, minilm_tokenizer, tmp_path, **options)
-    with pytest.raises(TypeError, match=r"lr_scaling_by='tokens' counts the ones of each training batch's "
-                                        r"attention_mask, but got a batch without one"):  # fmt: skip
+    with pytest.raises(
+        TypeError,
+        match=r"lr_scaling_by='tokens' counts the ones of each training batch's "
+        r"attention_mask, but got a batch without one",
+    ):
         trainer.train()
     options.update(lr_scaling_by="samples", oom_mode=None)  # oom_mode=None: Trainer's own training_step
     trainer = tc.make_trainer(emotion_data_dir, minilm_tokenizer, tmp_path, **options)

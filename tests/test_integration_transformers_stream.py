@@ -42,9 +42,13 @@ def test_iterable_train_set_trains_each_sample_once_per_epoch_under_oom(
     mode: str | None, accumulation: int, emotion_data_dir: Path, minilm_tokenizer: Any, tmp_path: Path
 ) -> None:
     trainer = stream_trainer(
-        emotion_data_dir, minilm_tokenizer, tmp_path, oom_mode=mode, accumulation=accumulation,
+        emotion_data_dir,
+        minilm_tokenizer,
+        tmp_path,
+        oom_mode=mode,
+        accumulation=accumulation,
         arguments={"max_steps": 30},
-    )  # fmt: skip
+    )
     injector = inject_oom(trainer.model, tc.OOM_LIMIT) if mode else None
     trainer.train()
     steps = trainer.recorder.steps
@@ -121,11 +125,24 @@ def test_two_processes_train_an_iterable_set_with_oom_on_one_rank(
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")])}
     env.update({"ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"})
     command = [
-        sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-        "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-        "--main_process_port", "0",
-        str(repo / "tests" / "scripts" / "trainer_stream_ddp.py"), str(emotion_data_dir), str(tmp_path),
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--multi_gpu",
+        "--num_processes",
+        "2",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        "--main_process_port",
+        "0",
+        str(repo / "tests" / "scripts" / "trainer_stream_ddp.py"),
+        str(emotion_data_dir),
+        str(tmp_path),
+    ]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=420)
     assert done.returncode == 0, done.stderr[-4000:]
     reports = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]

@@ -291,8 +291,13 @@ def test_the_growth_benchmark_runs_quick(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(repo), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     done = subprocess.run(
         [sys.executable, "-m", "benchmarks.growth", "--quick", "--out", str(tmp_path)],
-        cwd=repo, env=env, capture_output=True, text=True, timeout=300, check=False,
-    )  # fmt: skip
+        cwd=repo,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads((tmp_path / "growth.json").read_text())
     rows = {(r["start"], r["schedule"]): r for r in result["search"]}

@@ -29,8 +29,13 @@ def batchings(draw: st.DrawFn) -> tuple[Plan, np.ndarray, CostModel, float | np.
     )
     budget: float | np.ndarray = float(draw(st.integers(100, 10**6)))
     if draw(st.booleans()):  # a re-planned epoch: a budget per batch
-        budget = np.array(draw(st.lists(st.sampled_from([budget, budget / 2]), min_size=len(cuts) + 1,
-                                        max_size=len(cuts) + 1)))  # fmt: skip
+        budget = np.array(
+            draw(
+                st.lists(
+                    st.sampled_from([budget, budget / 2]), min_size=len(cuts) + 1, max_size=len(cuts) + 1
+                )
+            )
+        )
     return plan, lengths, cost, budget
 
 

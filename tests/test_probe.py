@@ -198,9 +198,14 @@ def test_search_finds_an_injected_oom_boundary_and_restores_state() -> None:
     optimizer = torch.optim.AdamW(model.parameters())
     before = snapshot(model, optimizer)
     result = find_max_tokens(
-        model, optimizer=optimizer, max_len=48, memory_limit=2**30, method="search",
-        cost=CostModel(), loss_fn=oom_above(1000),
-    )  # fmt: skip
+        model,
+        optimizer=optimizer,
+        max_len=48,
+        memory_limit=2**30,
+        method="search",
+        cost=CostModel(),
+        loss_fn=oom_above(1000),
+    )
     assert any(m.oom for m in result.measurements)
     assert all(m.tokens <= 1000 for m in result.measurements if not m.oom)
     # 1008 tokens is the smallest budget with a batch over 1000: 63 x 16, 36 x 28 and 21 x 48.
@@ -267,8 +272,12 @@ def test_fit_memory_recovers_known_coefficients_and_stays_non_negative() -> None
     # Data with no quadratic growth at all: the term is clamped at zero, not fitted negative.
     linear_only = MemoryModel(constant=1e6, linear=1000.0, quadratic=0.0, per_sample=0.0)
     data = synthetic(linear_only, shapes)
-    data = [Measurement(m.batch_size, m.length, m.peak_bytes, int(m.peak_bytes * (1 - 1e-4 * m.length)), 0,
-                        False, 0.0) for m in data]  # fmt: skip
+    data = [
+        Measurement(
+            m.batch_size, m.length, m.peak_bytes, int(m.peak_bytes * (1 - 1e-4 * m.length)), 0, False, 0.0
+        )
+        for m in data
+    ]
     clamped = fit_memory(data)
     assert clamped.quadratic == 0.0 and clamped.linear > 0 and clamped.constant >= 0
     with pytest.raises(ValueError, match=r"at least 3 distinct lengths|at least 4 measured shapes"):

@@ -196,12 +196,20 @@ def test_parse_memory() -> None:
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status for VmSize")
 def test_auto_under_rlimit_as_trains_and_twice_it_runs_out(tmp_path: Path) -> None:
     lengths = [int(n) for n in np.random.default_rng(0).integers(8, 257, 300)] + [256] * 30
-    spec = {"config": TINY, "lengths": lengths, "room": 192 * 2**20, "max_steps": 4,
-            "cache": str(tmp_path / "budgets.json")}  # fmt: skip
+    spec = {
+        "config": TINY,
+        "lengths": lengths,
+        "room": 192 * 2**20,
+        "max_steps": 4,
+        "cache": str(tmp_path / "budgets.json"),
+    }
     child = subprocess.run(
         [sys.executable, str(SCRIPTS / "auto_limited.py"), json.dumps(spec)],
-        env=child_env(MALLOC_MMAP_THRESHOLD_="65536"), capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        env=child_env(MALLOC_MMAP_THRESHOLD_="65536"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert child.returncode == 0, child.stderr[-3000:]
     report = json.loads(child.stdout.strip().splitlines()[-1])
     assert report["source"] == "probe"
@@ -264,9 +272,20 @@ def test_example_with_auto_probes_then_remembers(
 ) -> None:
     out = tmp_path / "metrics.json"
     command = [
-        sys.executable, str(SCRIPTS / "emotion_run.py"), str(out), "--data_dir", str(emotion_slice(120, 40)),
-        "--model_name", minilm_path, "--num_epochs", "1", "--max_tokens", "auto", "--memory_limit", "64MiB",
-    ]  # fmt: skip
+        sys.executable,
+        str(SCRIPTS / "emotion_run.py"),
+        str(out),
+        "--data_dir",
+        str(emotion_slice(120, 40)),
+        "--model_name",
+        minilm_path,
+        "--num_epochs",
+        "1",
+        "--max_tokens",
+        "auto",
+        "--memory_limit",
+        "64MiB",
+    ]
     env = child_env(TOKENBATCH_CACHE=str(tmp_path / "budgets.json"), HF_DATASETS_CACHE=str(tmp_path / "hf"))
     printed = []
     for _ in range(2):

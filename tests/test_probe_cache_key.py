@@ -11,9 +11,13 @@ from tokenbatch.probe._auto import model_name
 def bert(hidden: int, layers: int, seed: int = 0) -> BertModel:
     torch.manual_seed(seed)
     config = BertConfig(
-        vocab_size=100, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=2,
-        intermediate_size=2 * hidden, max_position_embeddings=64,
-    )  # fmt: skip
+        vocab_size=100,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=2,
+        intermediate_size=2 * hidden,
+        max_position_embeddings=64,
+    )
     return BertModel(config)
 
 

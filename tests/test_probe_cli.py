@@ -31,9 +31,13 @@ def tiny_config_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     directory = tmp_path / "tiny-bert"
     BertConfig(
-        vocab_size=1000, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=37,
+        vocab_size=1000,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=37,
         architectures=["BertForSequenceClassification"],
-    ).save_pretrained(directory)  # fmt: skip
+    ).save_pretrained(directory)
     return directory
 
 
@@ -41,11 +45,25 @@ def test_json_and_write_cache(
     tiny_config_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     cache_path = tmp_path / "budgets.json"
-    status = main([
-        "probe", "--model", str(tiny_config_dir), "--max-length", "64", "--memory-limit", "24MiB",
-        "--attn-implementation", "eager", "--json", "--write-cache", "--cache", str(cache_path),
-        "--world-size", "2",
-    ])  # fmt: skip
+    status = main(
+        [
+            "probe",
+            "--model",
+            str(tiny_config_dir),
+            "--max-length",
+            "64",
+            "--memory-limit",
+            "24MiB",
+            "--attn-implementation",
+            "eager",
+            "--json",
+            "--write-cache",
+            "--cache",
+            str(cache_path),
+            "--world-size",
+            "2",
+        ]
+    )
     assert status == 0
     payload = json.loads(capsys.readouterr().out)
     assert payload["task"] == "sequence-classification" and payload["method"] == "fit"
@@ -63,10 +81,25 @@ def test_json_and_write_cache(
 
 
 def test_report_with_progress_bar(tiny_config_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    status = main([
-        "probe", "--model", str(tiny_config_dir), "--max-length", "48", "--memory-limit", "20MiB",
-        "--method", "search", "--task", "base", "--attn-implementation", "sdpa", "--pad-to-multiple-of", "8",
-    ])  # fmt: skip
+    status = main(
+        [
+            "probe",
+            "--model",
+            str(tiny_config_dir),
+            "--max-length",
+            "48",
+            "--memory-limit",
+            "20MiB",
+            "--method",
+            "search",
+            "--task",
+            "base",
+            "--attn-implementation",
+            "sdpa",
+            "--pad-to-multiple-of",
+            "8",
+        ]
+    )
     captured = capsys.readouterr()
     assert status == 0
     assert "(base, float32, attention sdpa) on cpu" in captured.out

@@ -60,9 +60,14 @@ def test_suggested_budget_trains_under_the_limit_and_twice_it_runs_out() -> None
     cost = {k: getattr(result.cost, k) for k in ("linear", "quadratic", "per_sample")}
 
     spec: dict[str, Any] = {
-        "config": CONFIG, "seed": 0, "lengths": lengths, "cost": cost, "memory_limit": LIMIT,
-        "max_steps": 6, "budgets": [result.max_tokens, 2 * result.max_tokens],
-    }  # fmt: skip
+        "config": CONFIG,
+        "seed": 0,
+        "lengths": lengths,
+        "cost": cost,
+        "memory_limit": LIMIT,
+        "max_steps": 6,
+        "budgets": [result.max_tokens, 2 * result.max_tokens],
+    }
     # One child imports torch and transformers once and trains each budget in a fork of itself.
     child = subprocess.run(
         [sys.executable, str(SCRIPT), json.dumps(spec)],

@@ -148,9 +148,20 @@ def test_accelerate_save_state_and_load_state_mid_epoch_train_every_sample_once(
     command = [sys.executable, str(SCRIPT), str(tmp_path)]
     if processes == 2:
         command[1:1] = [
-            "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines",
-            "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "0",
-        ]  # fmt: skip
+            "-m",
+            "accelerate.commands.launch",
+            "--multi_gpu",
+            "--num_processes",
+            "2",
+            "--num_machines",
+            "1",
+            "--mixed_precision",
+            "no",
+            "--dynamo_backend",
+            "no",
+            "--main_process_port",
+            "0",
+        ]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
     ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(processes)]

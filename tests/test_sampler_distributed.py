@@ -30,10 +30,23 @@ def launch_env() -> dict[str, str]:
 def test_two_processes_see_every_sample_once(tmp_path: Path) -> None:
     out = tmp_path / "seen.json"
     command = [
-        sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-        "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-        "--main_process_port", "0", str(SCRIPT), str(out),
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--multi_gpu",
+        "--num_processes",
+        "2",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        "--main_process_port",
+        "0",
+        str(SCRIPT),
+        str(out),
+    ]
     result = subprocess.run(command, env=launch_env(), capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-4000:]
     report = json.loads(out.read_text())
@@ -80,11 +93,24 @@ def test_two_processes_resume_checkpoints_of_one_and_three_processes(tmp_path: P
     (tmp_path / "states.json").write_text(json.dumps(states))
     out = tmp_path / "resumed.json"
     command = [
-        sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-        "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-        "--main_process_port", "0", str(SCRIPT.parent / "sampler_resume.py"),
-        str(tmp_path / "states.json"), str(out),
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--multi_gpu",
+        "--num_processes",
+        "2",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        "--main_process_port",
+        "0",
+        str(SCRIPT.parent / "sampler_resume.py"),
+        str(tmp_path / "states.json"),
+        str(out),
+    ]
     result = subprocess.run(command, env=launch_env(), capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-4000:]
     report = json.loads(out.read_text())

@@ -106,13 +106,26 @@ def test_resume_on_another_number_of_processes_trains_every_sample_once(
 #: A state as tokenbatch wrote it before version 2 (one number of ranks, kept in the settings).
 V1_LENGTHS = [(7 * i) % 23 + 2 for i in range(30)]
 V1_STATE = {
-    "version": 1, "num_samples": 30, "lengths_digest": "e8959c886c868c97f2dc205923cbbac0",
+    "version": 1,
+    "num_samples": 30,
+    "lengths_digest": "e8959c886c868c97f2dc205923cbbac0",
     "settings": {
-        "cost": [1.0, 0.0, 0.0, 1], "shuffle": True, "seed": 3, "max_batch_size": None,
-        "batch_size_multiple": 1, "drop_last": False, "oversize": "error", "num_replicas": 2, "rank": None,
+        "cost": [1.0, 0.0, 0.0, 1],
+        "shuffle": True,
+        "seed": 3,
+        "max_batch_size": None,
+        "batch_size_multiple": 1,
+        "drop_last": False,
+        "oversize": "error",
+        "num_replicas": 2,
+        "rank": None,
     },
-    "epoch": 0, "max_tokens": 30.0, "epoch_max_tokens": 40.0, "replans": [[2, 30.0]], "steps_done": 3,
-}  # fmt: skip
+    "epoch": 0,
+    "max_tokens": 30.0,
+    "epoch_max_tokens": 40.0,
+    "replans": [[2, 30.0]],
+    "steps_done": 3,
+}
 #: What that sampler yielded after the 3 steps trained.
 
 

@@ -80,10 +80,18 @@ def source(case: dict[str, Any]) -> Any:
 def maker(case: dict[str, Any], data: Any) -> Any:
     def make(rank: int, lane: int, agree: Any) -> TokenBudgetStream:
         stream = TokenBudgetStream(
-            data, case["max_tokens"], cost=COSTS[case["cost"]], length="length",
-            buffer_size=case["buffer_size"], seed=case["seed"], num_replicas=case["world"], rank=rank,
-            oversize=case["oversize"], buckets=case["buckets"], agree=agree,
-        )  # fmt: skip
+            data,
+            case["max_tokens"],
+            cost=COSTS[case["cost"]],
+            length="length",
+            buffer_size=case["buffer_size"],
+            seed=case["seed"],
+            num_replicas=case["world"],
+            rank=rank,
+            oversize=case["oversize"],
+            buckets=case["buckets"],
+            agree=agree,
+        )
         stream.set_epoch(case["epoch"])
         return stream
 

@@ -121,5 +121,8 @@ def test_other_libraries_private_attributes_are_read_in_one_adapter() -> None:
 
 
 def test_no_code_is_packed_against_the_formatter() -> None:
-    found = [str(p.relative_to(PACKAGE)) for p in SOURCES if "fmt: skip" in p.read_text()]
+    marker = "fmt: " + "skip"  # spelled apart, so that this file does not find itself
+    folders = ("tokenbatch", "tests", "benchmarks", "examples")
+    files = [p for folder in folders for p in sorted((PACKAGE.parent / folder).rglob("*.py"))]
+    found = [str(p.relative_to(PACKAGE.parent)) for p in files if marker in p.read_text()]
     assert found == []

@@ -63,10 +63,17 @@ def train(args: Namespace, accelerator: Accelerator) -> list[dict[str, Any]]:
             optimizer.zero_grad()
             totals += torch.tensor([float(loss), 1, len(batch["labels"]), int(batch["attention_mask"].sum())])
         loss_sum, steps, texts, tokens = accelerator.reduce(totals.to(accelerator.device)).tolist()
-        epochs.append(dict(
-            epoch=epoch + 1, loss=loss_sum / max(steps, 1.0), steps=int(totals[1]), texts=int(texts),
-            real_tokens=int(tokens), oom_events=len(fallback.events), max_tokens=fallback.max_tokens,
-        ))  # fmt: skip
+        epochs.append(
+            dict(
+                epoch=epoch + 1,
+                loss=loss_sum / max(steps, 1.0),
+                steps=int(totals[1]),
+                texts=int(texts),
+                real_tokens=int(tokens),
+                oom_events=len(fallback.events),
+                max_tokens=fallback.max_tokens,
+            )
+        )
         accelerator.print(
             "Epoch: {epoch}\tloss: {loss:.4f}\t({steps} steps, {texts} texts, budget {max_tokens:g}, "
             "{oom_events} OOM events)".format(**epochs[-1])

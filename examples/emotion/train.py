@@ -83,9 +83,11 @@ def train(args: Namespace, accelerator: Accelerator) -> list[dict[str, Any]]:
     evals = TokenBudgetBatchSampler(column_lengths(eval_set), sampler.max_tokens, cost=cost, shuffle=False)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.learning_rate)
     model, optimizer, train_loader, eval_loader = accelerator.prepare(
-        model, optimizer, DataLoader(train_set, batch_sampler=sampler, collate_fn=collator),
+        model,
+        optimizer,
+        DataLoader(train_set, batch_sampler=sampler, collate_fn=collator),
         DataLoader(eval_set, batch_sampler=evals, collate_fn=collator),
-    )  # fmt: skip
+    )
     scaling = dict(lr_scaling="linear", lr_reference=reference)  # no find_unused_parameters: the guard syncs
     fallback = OOMFallback(sampler, model, accelerator=accelerator, mode=args.oom_mode, **scaling)
     epochs = []
@@ -100,11 +102,18 @@ def train(args: Namespace, accelerator: Accelerator) -> list[dict[str, Any]]:
                 totals += (float(loss), 1, int(batch["attention_mask"].sum()))
         summed = accelerator.reduce(torch.tensor(totals, device=accelerator.device)).tolist()  # all processes
         macro_f1, scored = evaluate(model, eval_loader, accelerator)
-        epochs.append(dict(
-            epoch=epoch + 1, loss=summed[0] / max(summed[1], 1), macro_f1=macro_f1, eval_samples=scored,
-            steps=int(totals[1]), real_tokens=int(summed[2]), max_tokens=fallback.max_tokens,
-            oom_events=len(fallback.events),
-        ))  # fmt: skip
+        epochs.append(
+            dict(
+                epoch=epoch + 1,
+                loss=summed[0] / max(summed[1], 1),
+                macro_f1=macro_f1,
+                eval_samples=scored,
+                steps=int(totals[1]),
+                real_tokens=int(summed[2]),
+                max_tokens=fallback.max_tokens,
+                oom_events=len(fallback.events),
+            )
+        )
         accelerator.print(
             "Epoch: {epoch}\tloss: {loss:.4f}\tmacro-F1: {macro_f1:.4f}\t({steps} steps, {real_tokens} real "
             "tokens, budget {max_tokens:g}, {oom_events} OOM events)".format(**epochs[-1])

@@ -34,8 +34,14 @@ def main(out: Path) -> None:
     rank = dist.get_rank()
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    config = BertConfig(vocab_size=1000, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                        intermediate_size=37, max_position_embeddings=512)  # fmt: skip
+    config = BertConfig(
+        vocab_size=1000,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=37,
+        max_position_embeddings=512,
+    )
     config._attn_implementation = "eager"
     model = BertForSequenceClassification(config)
     cache = BudgetCache(out / f"cache{rank}.json")

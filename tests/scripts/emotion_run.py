@@ -88,9 +88,12 @@ def rehearse(example: ModuleType, options: Namespace) -> list[Any]:
             if options.inject_above is not None:
                 ranks = None if options.inject_rank is None else [options.inject_rank]
                 injected = inject_oom(
-                    encoders[-1], options.inject_above, where=options.inject_where, ranks=ranks,
+                    encoders[-1],
+                    options.inject_above,
+                    where=options.inject_where,
+                    ranks=ranks,
                     cost=self.sampler.cost,
-                )  # fmt: skip
+                )
             with injected:
                 yield from super().iterate(dataloader)
             self.budgets.append(float(self.sampler.max_tokens))

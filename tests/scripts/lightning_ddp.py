@@ -29,8 +29,14 @@ from tokenbatch.testing import inject_oom
 LIMIT = 100  # rank 1's first batch above this many padded tokens "runs out of memory"
 
 
-def fit(module: Recorder, *, callback: TokenBudgetCallback | None, extra: tuple[Any, ...] = (),
-        ckpt_path: Path | None = None, **options: Any) -> dict[str, Any]:  # fmt: skip
+def fit(
+    module: Recorder,
+    *,
+    callback: TokenBudgetCallback | None,
+    extra: tuple[Any, ...] = (),
+    ckpt_path: Path | None = None,
+    **options: Any,
+) -> dict[str, Any]:
     """Fit on 2 processes (``extra`` callbacks; from ``ckpt_path``); what this rank trained, or its error."""
     callbacks = [*([] if callback is None else [callback]), *extra]
     options.setdefault("use_distributed_sampler", False)
@@ -64,13 +70,18 @@ def main(out: Path) -> None:
     # Checkpointed every 3 steps of the 4 an epoch has on 2 processes (mid-epoch 0 and 1), resumed from each.
     sampler = make_sampler(rows)
     saving = checkpoints(out / "checkpoints", every_n_train_steps=3)
-    results["checkpointed"] = fit(Recorder(rows, sampler), callback=TokenBudgetCallback(sampler),
-                                  extra=(saving,), enable_checkpointing=True)  # fmt: skip
+    results["checkpointed"] = fit(
+        Recorder(rows, sampler),
+        callback=TokenBudgetCallback(sampler),
+        extra=(saving,),
+        enable_checkpointing=True,
+    )
     for step in (3, 6):
         sampler = make_sampler(rows)
         path = out / "checkpoints" / f"epoch={(step - 1) // 4}-step={step}.ckpt"
-        results[f"resumed_{step}"] = fit(Recorder(rows, sampler), callback=TokenBudgetCallback(sampler),
-                                         ckpt_path=path)  # fmt: skip
+        results[f"resumed_{step}"] = fit(
+            Recorder(rows, sampler), callback=TokenBudgetCallback(sampler), ckpt_path=path
+        )
     sampler = make_sampler(rows)
     results["reference"] = fit(Recorder(rows, sampler, manual=True), callback=TokenBudgetCallback(sampler))
     sampler = make_sampler(rows)

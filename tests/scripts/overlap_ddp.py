@@ -181,11 +181,17 @@ def cases(world: int) -> dict[str, dict[str, Any]]:
                 found[f"{mode}_{where}_{layer}_one"] = {**case, "ranks": [1]}
                 found[f"{mode}_{where}_{layer}_all"] = {**case, "ranks": list(range(world))}
     found["split_backward_middle_one_accumulate"] = {
-        "where": "backward", "layer": "middle", "ranks": [world - 1], "accumulate": 2,
-    }  # fmt: skip
+        "where": "backward",
+        "layer": "middle",
+        "ranks": [world - 1],
+        "accumulate": 2,
+    }
     found["split_forward_early_one_unused"] = {
-        "where": "forward", "layer": "early", "ranks": [1], "unused": True,
-    }  # fmt: skip
+        "where": "forward",
+        "layer": "early",
+        "ranks": [1],
+        "unused": True,
+    }
     found["error_backward_middle"] = {"where": "backward", "layer": "middle", "ranks": [1], "kind": "error"}
     return found
 

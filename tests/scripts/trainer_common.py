@@ -65,8 +65,15 @@ def tiny_model(
             super().__init__(config)
             self.marks = torch.nn.Parameter(torch.zeros(num_samples))
 
-        def forward(self, input_ids: Any = None, attention_mask: Any = None, labels: Any = None,
-                    idx: Any = None, num_items_in_batch: Any = None, **kwargs: Any) -> Any:  # fmt: skip
+        def forward(
+            self,
+            input_ids: Any = None,
+            attention_mask: Any = None,
+            labels: Any = None,
+            idx: Any = None,
+            num_items_in_batch: Any = None,
+            **kwargs: Any,
+        ) -> Any:
             out = super().forward(input_ids=input_ids, attention_mask=attention_mask, labels=labels, **kwargs)
             if labels is not None and num_items_in_batch is not None:
                 out.loss = (
@@ -146,15 +153,17 @@ def recorder(trainer: Any) -> Any:
         def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             grad = kwargs["model"].marks.grad
             used = [] if grad is None else torch.nonzero(grad).flatten().tolist()
-            self.steps.append({
-                "global_step": state.global_step,
-                "epoch": trainer.train_sampler.epoch,
-                "samples": sorted(used),
-                "max_tokens": trainer.oom_fallback.max_tokens if trainer.oom_fallback else None,
-                "sampler_max_tokens": trainer.train_sampler.max_tokens,
-                "lr": float(kwargs["lr_scheduler"].get_last_lr()[0]),
-                "max_steps": state.max_steps,
-            })  # fmt: skip
+            self.steps.append(
+                {
+                    "global_step": state.global_step,
+                    "epoch": trainer.train_sampler.epoch,
+                    "samples": sorted(used),
+                    "max_tokens": trainer.oom_fallback.max_tokens if trainer.oom_fallback else None,
+                    "sampler_max_tokens": trainer.train_sampler.max_tokens,
+                    "lr": float(kwargs["lr_scheduler"].get_last_lr()[0]),
+                    "max_steps": state.max_steps,
+                }
+            )
 
         def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kwargs: Any) -> None:
             self.logs.append(dict(logs or {}))

@@ -37,8 +37,17 @@ from tokenbatch.testing import inject_oom
 CHECKPOINT_STEP = 3
 
 
-def run(name: str, data_dir: str, out: Path, tokenizer: Any, *, where: str, ranks: tuple[int, ...],
-        resume: str | None = None, **options: Any) -> Any:  # fmt: skip
+def run(
+    name: str,
+    data_dir: str,
+    out: Path,
+    tokenizer: Any,
+    *,
+    where: str,
+    ranks: tuple[int, ...],
+    resume: str | None = None,
+    **options: Any,
+) -> Any:
     seen: list[list[int]] = []
     if name == "split":
         options["arguments"] = {"eval_strategy": "epoch", "label_names": ["labels", "idx"]}
@@ -75,8 +84,9 @@ def run(name: str, data_dir: str, out: Path, tokenizer: Any, *, where: str, rank
 def evaluation(data_dir: str, out: Path, tokenizer: Any) -> None:
     seen: list[list[int]] = []
     arguments = {"label_names": ["labels", "idx"]}
-    trainer = make_trainer(data_dir, tokenizer, out / "evaluation", arguments=arguments,
-                           compute_metrics=id_metrics(seen))  # fmt: skip
+    trainer = make_trainer(
+        data_dir, tokenizer, out / "evaluation", arguments=arguments, compute_metrics=id_metrics(seen)
+    )
     rank = trainer.accelerator.process_index
     report: dict[str, Any] = {"rank": rank, "metrics": trainer.evaluate()}
     predicted = trainer.predict(trainer.eval_dataset)
@@ -117,11 +127,29 @@ def main() -> None:
     run("split", data_dir, out, tokenizer, oom_mode="split", where="forward", ranks=(1,))
     run("halve", data_dir, out, tokenizer, oom_mode="halve", accumulation=2, where="backward", ranks=(0,))
     checkpoint = out / "halve" / f"checkpoint-{CHECKPOINT_STEP}"
-    run("resumed", data_dir, out, tokenizer, oom_mode="halve", accumulation=2, where="backward", ranks=(0,),
-        resume=str(checkpoint))  # fmt: skip
+    run(
+        "resumed",
+        data_dir,
+        out,
+        tokenizer,
+        oom_mode="halve",
+        accumulation=2,
+        where="backward",
+        ranks=(0,),
+        resume=str(checkpoint),
+    )
     # Growth on in halve mode, OOM over OOM_LIMIT on rank 1 throughout: both ranks re-plan alike.
-    run("grow", data_dir, out, tokenizer, oom_mode="halve", oom_grow=True, epochs=3, where="forward",
-        ranks=(1,))  # fmt: skip
+    run(
+        "grow",
+        data_dir,
+        out,
+        tokenizer,
+        oom_mode="halve",
+        oom_grow=True,
+        epochs=3,
+        where="forward",
+        ranks=(1,),
+    )
     evaluation(data_dir, out, tokenizer)
 
 

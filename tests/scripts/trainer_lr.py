@@ -35,10 +35,12 @@ def rate_probe(trainer: Any) -> Any:
             self._hooked: set[int] = set()
 
         def _hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-            self.steps.append({
-                "in_step": [float(group["lr"]) for group in optimizer.param_groups],
-                "schedule": [float(lr) for lr in trainer.lr_scheduler.get_last_lr()],
-            })  # fmt: skip
+            self.steps.append(
+                {
+                    "in_step": [float(group["lr"]) for group in optimizer.param_groups],
+                    "schedule": [float(lr) for lr in trainer.lr_scheduler.get_last_lr()],
+                }
+            )
 
         def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             inner = kwargs["optimizer"]
