@@ -480,14 +480,6 @@ class History:
     def then(self, replan: Replan) -> History:
         return History(self.max_tokens, self.num_replicas, (*self.replans, replan))
 
-    def extends(self, earlier: History) -> bool:
-        """This is ``earlier`` with more re-plans (no new epoch or resume in between)."""
-        return (
-            (self.max_tokens, self.num_replicas) == (earlier.max_tokens, earlier.num_replicas)
-            and self.replans[: len(earlier.replans)] == earlier.replans
-            and len(self.replans) > len(earlier.replans)
-        )
-
     def on(self, world: int) -> History:
         """This history, planned from the start for ``world`` ranks where it does not say."""
         return self if self.num_replicas is not None else History(self.max_tokens, world, self.replans)

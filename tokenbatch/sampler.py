@@ -358,7 +358,7 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
         max_tokens = _checks.positive_number("max_tokens", max_tokens)
         steps_done = _checks.non_negative_int("steps_done", steps_done)
         history = self._history
-        _check_steps_done(history, steps_done, self.plan)
+        history.check_steps_done(steps_done, self.plan)
         history = history.then(Replan(steps_done, max_tokens, self.num_replicas))
         plan = self._make_plan(self._epoch, history)  # raises before any change
         self._move(self._epoch, max_tokens, history, steps_done, plan)
@@ -439,10 +439,8 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
             done = self._yielded
         else:
             done = _checks.non_negative_int("steps_done", steps_done)
-            _check_steps_done(self._history, done, self.plan)
-        history = self._history
-        if history.num_replicas is None:  # a fresh epoch: name the ranks it is planned for
-            history = History(history.max_tokens, self.num_replicas, history.replans)
+            self._history.check_steps_done(done, self.plan)
+        history = self._history.on(self.num_replicas)  # a fresh epoch: name the ranks it is planned for
         return {
             "version": _STATE_VERSION,
             "num_samples": len(self.lengths),
@@ -521,7 +519,7 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
         names = ["state['epoch_max_tokens']"]
         names += [f"state['replans'][{i}]" for i in range(len(history.replans))]
         plan = self._make_plan(epoch, history, names)
-        _check_steps_done(history, steps_done, plan, "state['steps_done']")
+        history.check_steps_done(steps_done, plan, "state['steps_done']")
         world = self.num_replicas
         if history.world(world) != world:
             history = history.then(Replan(steps_done, max_tokens, world))
@@ -630,21 +628,6 @@ def _check_rank(rank: int | None, world: int) -> None:
     if rank is not None and rank >= world:
         raise ValueError(
             f"rank should be below num_replicas={world}, but got rank={rank}; ranks count from 0"
-        )
-
-
-def _check_steps_done(history: History, steps_done: int, plan: Plan, name: str = "steps_done") -> None:
-    """Refuse a count of steps trained beyond ``plan`` (``history``'s) or before its last re-plan."""
-    last = history.replans[-1].steps_done if history.replans else 0
-    if steps_done < last:
-        raise ValueError(
-            f"{name} should be at least {last}, the step the epoch was last re-planned at (the steps "
-            f"before it have been trained), but got {name}={steps_done}"
-        )
-    if steps_done > plan.num_steps:
-        raise ValueError(
-            f"{name} should be at most the {plan.num_steps} steps of the epoch's plan, but got "
-            f"{name}={steps_done}"
         )
 
 
