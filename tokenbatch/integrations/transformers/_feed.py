@@ -91,19 +91,7 @@ class Feed:
 
     def slots(self) -> Iterator[Any]:
         """The epoch in groups of ``accumulation`` slots; the last group is filled with padding."""
-        while True:
-            batches: list[tuple[Any, int]] = []
-            while len(batches) < self.accumulation and (item := self.next_batch()) is not None:
-                batches.append(item)
-            if not batches:
-                return
-            restarts = self.batches.restarts
-            group = [_Entry(batch, step, restarts, len(batches)) for batch, step in batches]
-            while len(group) < self.accumulation:
-                group.append(_Entry(padding(self.main_input_name), None, restarts, len(batches)))
-            self.pending.extend(group)
-            for entry in group:
-                yield entry.batch
+        return _slots(self)
 
     def next_batch(self) -> tuple[Any, int] | None:
         """The next batch of the current plan and its step, or None at the epoch's end."""
@@ -226,18 +214,7 @@ class StreamFeed:
         self._rows = 0  # rows of the batch resolved last
 
     def slots(self) -> Iterator[Any]:
-        while True:
-            batches: list[tuple[Any, int]] = []
-            while len(batches) < self.accumulation and (item := self.next_batch()) is not None:
-                batches.append(item)
-            if not batches:
-                return
-            group = [_Entry(batch, step, 0, len(batches)) for batch, step in batches]
-            while len(group) < self.accumulation:
-                group.append(_Entry(padding(self.main_input_name), None, 0, len(batches)))
-            self.pending.extend(group)
-            for entry in group:
-                yield entry.batch
+        return _slots(self)
 
     def next_batch(self) -> tuple[Any, int] | None:
         batch = None if self._iterator is None else next(self._iterator, None)
@@ -297,3 +274,20 @@ class StreamLoader:
         feed, self.feed = self.feed, None
         if feed is not None:
             feed.close()
+
+
+def _slots(feed: Feed | StreamFeed) -> Iterator[Any]:
+    """``feed``'s batches in groups of ``accumulation`` slots, the last group filled with padding."""
+    while True:
+        batches: list[tuple[Any, int]] = []
+        while len(batches) < feed.accumulation and (item := feed.next_batch()) is not None:
+            batches.append(item)
+        if not batches:
+            return
+        restarts = feed.restarts
+        group = [_Entry(batch, step, restarts, len(batches)) for batch, step in batches]
+        while len(group) < feed.accumulation:
+            group.append(_Entry(padding(feed.main_input_name), None, restarts, len(batches)))
+        feed.pending.extend(group)
+        for entry in group:
+            yield entry.batch
