@@ -191,6 +191,35 @@ Torchrun = Callable[..., subprocess.CompletedProcess[str]]
 
 
 @pytest.fixture(scope="session")
+def accelerate_launch() -> Callable[..., list[str]]:
+    """``accelerate_launch(processes=2, port=0)``: the command that starts what follows on CPU processes.
+
+    ``[*accelerate_launch(), script, *args]`` runs ``script`` under ``accelerate launch``
+    (gloo, no mixed precision, no dynamo); port 0 lets it choose a free one.
+    """
+
+    def command(processes: int = 2, port: int = 0) -> list[str]:
+        return [
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            "--multi_gpu",
+            "--num_processes",
+            str(processes),
+            "--num_machines",
+            "1",
+            "--mixed_precision",
+            "no",
+            "--dynamo_backend",
+            "no",
+            "--main_process_port",
+            str(port),
+        ]
+
+    return command
+
+
+@pytest.fixture(scope="session")
 def torchrun() -> Torchrun:
     """``torchrun(script, *args, nproc=2, timeout=300, env=None)``: real processes (gloo), fail on a hang.
 

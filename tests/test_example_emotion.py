@@ -55,7 +55,7 @@ def free_port() -> int:
 
 
 def run_example(
-    tmp_path: Path, data_dir: Path, model: str, processes: int, *extra: str
+    accelerate_launch: Any, tmp_path: Path, data_dir: Path, model: str, processes: int, *extra: str
 ) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
     """The example on ``data_dir`` (a slice: TRAIN_LIMIT and EVAL_LIMIT texts) through the driver."""
     out = tmp_path / "metrics.json"
@@ -78,20 +78,7 @@ def run_example(
         command = [sys.executable, *args]
     else:
         command = [
-            sys.executable,
-            "-m",
-            "accelerate.commands.launch",
-            "--multi_gpu",
-            "--num_processes",
-            str(processes),
-            "--num_machines",
-            "1",
-            "--mixed_precision",
-            "no",
-            "--dynamo_backend",
-            "no",
-            "--main_process_port",
-            str(free_port()),
+            *accelerate_launch(processes, port=free_port()),
             *args,
         ]
     done = subprocess.run(command, env=env(tmp_path), capture_output=True, text=True, timeout=300)
@@ -152,9 +139,11 @@ def check_run(
 
 
 @pytest.mark.slow
-def test_one_process_split(tmp_path: Path, sliced: Path, minilm_path: str, train_tokens: int) -> None:
+def test_one_process_split(
+    tmp_path: Path, sliced: Path, minilm_path: str, train_tokens: int, accelerate_launch: Any
+) -> None:
     done, metrics = run_example(
-        tmp_path, sliced, minilm_path, 1, *("--oom_mode", "split", "--inject_above", "700")
+        accelerate_launch, tmp_path, sliced, minilm_path, 1, *("--oom_mode", "split", "--inject_above", "700")
     )
     check_run(done, metrics, train_tokens, 1)
     assert metrics["world_size"] == 1
@@ -175,9 +164,11 @@ def test_two_processes(
     mode: str,
     where: str,
     rank: str,
+    accelerate_launch: Any,
 ) -> None:
     """OOM on one rank only: the other must follow it (agree, split or re-plan) and nothing hangs."""
     done, metrics = run_example(
+        accelerate_launch,
         tmp_path,
         sliced,
         minilm_path,

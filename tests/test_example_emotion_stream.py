@@ -31,6 +31,7 @@ LIMIT = 240
 @pytest.mark.slow
 @pytest.mark.parametrize(("processes", "mode"), [(1, "split"), (2, "halve")])
 def test_stream_example_trains_each_text_once_per_epoch(
+    accelerate_launch: Any,
     processes: int,
     mode: str,
     tmp_path: Path,
@@ -61,20 +62,7 @@ def test_stream_example_trains_each_text_once_per_epoch(
     command = [sys.executable, *args]
     if processes > 1:
         command = [
-            sys.executable,
-            "-m",
-            "accelerate.commands.launch",
-            "--multi_gpu",
-            "--num_processes",
-            str(processes),
-            "--num_machines",
-            "1",
-            "--mixed_precision",
-            "no",
-            "--dynamo_backend",
-            "no",
-            "--main_process_port",
-            str(free_port()),
+            *accelerate_launch(processes, port=free_port()),
             *args,
         ]
     done = subprocess.run(command, env=env(tmp_path), capture_output=True, text=True, timeout=300)

@@ -36,27 +36,14 @@ def free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+def two_ranks(accelerate_launch: Any, tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     """What each of two real processes gathered, by rank."""
     out = tmp_path_factory.mktemp("gather")
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
     env.update(ACCELERATE_USE_CPU="1", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
     command = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--multi_gpu",
-        "--num_processes",
-        "2",
-        "--num_machines",
-        "1",
-        "--mixed_precision",
-        "no",
-        "--dynamo_backend",
-        "no",
-        "--main_process_port",
-        str(free_port()),
+        *accelerate_launch(port=str(free_port())),
         str(SCRIPT),
         str(out),
     ]

@@ -375,7 +375,9 @@ def test_settings_it_cannot_honour_are_refused(
 
 
 @pytest.fixture(scope="module")
-def ddp_runs(tmp_path_factory: pytest.TempPathFactory, emotion_data_dir: Path) -> dict[str, Any]:
+def ddp_runs(
+    accelerate_launch: Any, tmp_path_factory: pytest.TempPathFactory, emotion_data_dir: Path
+) -> dict[str, Any]:
     """Both ranks' reports of every scenario of tests/scripts/trainer_ddp.py (accelerate launch, 2 CPUs)."""
     out = tmp_path_factory.mktemp("trainer_ddp")
     env = {
@@ -386,20 +388,7 @@ def ddp_runs(tmp_path_factory: pytest.TempPathFactory, emotion_data_dir: Path) -
         "HF_HUB_OFFLINE": "1",
     }
     command = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--multi_gpu",
-        "--num_processes",
-        "2",
-        "--num_machines",
-        "1",
-        "--mixed_precision",
-        "no",
-        "--dynamo_backend",
-        "no",
-        "--main_process_port",
-        "0",
+        *accelerate_launch(),
         str(SCRIPTS / "trainer_ddp.py"),
         str(emotion_data_dir),
         str(out),

@@ -115,7 +115,7 @@ def test_a_torch_iterable_dataset_of_a_generator_trains_too(
 
 @pytest.mark.slow
 def test_two_processes_train_an_iterable_set_with_oom_on_one_rank(
-    emotion_data_dir: Path, tmp_path: Path
+    accelerate_launch: Any, emotion_data_dir: Path, tmp_path: Path
 ) -> None:
     import json
     import os
@@ -125,20 +125,7 @@ def test_two_processes_train_an_iterable_set_with_oom_on_one_rank(
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")])}
     env.update({"ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"})
     command = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--multi_gpu",
-        "--num_processes",
-        "2",
-        "--num_machines",
-        "1",
-        "--mixed_precision",
-        "no",
-        "--dynamo_backend",
-        "no",
-        "--main_process_port",
-        "0",
+        *accelerate_launch(),
         str(repo / "tests" / "scripts" / "trainer_stream_ddp.py"),
         str(emotion_data_dir),
         str(tmp_path),

@@ -140,28 +140,13 @@ def test_use_stateful_dataloader_still_resumes_every_sample_once(workers: int, t
 @pytest.mark.slow
 @pytest.mark.parametrize("processes", [1, 2])
 def test_accelerate_save_state_and_load_state_mid_epoch_train_every_sample_once(
-    processes: int, tmp_path: Path
+    accelerate_launch: Any, processes: int, tmp_path: Path
 ) -> None:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
     env.update(ACCELERATE_USE_CPU="1", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
-    command = [sys.executable, str(SCRIPT), str(tmp_path)]
-    if processes == 2:
-        command[1:1] = [
-            "-m",
-            "accelerate.commands.launch",
-            "--multi_gpu",
-            "--num_processes",
-            "2",
-            "--num_machines",
-            "1",
-            "--mixed_precision",
-            "no",
-            "--dynamo_backend",
-            "no",
-            "--main_process_port",
-            "0",
-        ]
+    launcher = accelerate_launch() if processes == 2 else [sys.executable]
+    command = [*launcher, str(SCRIPT), str(tmp_path)]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
     ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(processes)]

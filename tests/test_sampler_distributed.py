@@ -27,23 +27,10 @@ def launch_env() -> dict[str, str]:
 
 
 @pytest.mark.slow
-def test_two_processes_see_every_sample_once(tmp_path: Path) -> None:
+def test_two_processes_see_every_sample_once(tmp_path: Path, accelerate_launch: Any) -> None:
     out = tmp_path / "seen.json"
     command = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--multi_gpu",
-        "--num_processes",
-        "2",
-        "--num_machines",
-        "1",
-        "--mixed_precision",
-        "no",
-        "--dynamo_backend",
-        "no",
-        "--main_process_port",
-        "0",
+        *accelerate_launch(),
         str(SCRIPT),
         str(out),
     ]
@@ -75,7 +62,9 @@ def test_two_processes_see_every_sample_once(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_two_processes_resume_checkpoints_of_one_and_three_processes(tmp_path: Path) -> None:
+def test_two_processes_resume_checkpoints_of_one_and_three_processes(
+    tmp_path: Path, accelerate_launch: Any
+) -> None:
     """Every sample once: the steps trained before (1 or 3 processes), then what 2 real ranks get."""
     sys.path.insert(0, str(SCRIPT.parent))
     try:
@@ -93,20 +82,7 @@ def test_two_processes_resume_checkpoints_of_one_and_three_processes(tmp_path: P
     (tmp_path / "states.json").write_text(json.dumps(states))
     out = tmp_path / "resumed.json"
     command = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--multi_gpu",
-        "--num_processes",
-        "2",
-        "--num_machines",
-        "1",
-        "--mixed_precision",
-        "no",
-        "--dynamo_backend",
-        "no",
-        "--main_process_port",
-        "0",
+        *accelerate_launch(),
         str(SCRIPT.parent / "sampler_resume.py"),
         str(tmp_path / "states.json"),
         str(out),
