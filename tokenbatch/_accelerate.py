@@ -31,7 +31,7 @@ def active_dataloader() -> Any | None:
 
 
 def batch_samplers(dataloader: Any) -> list[Any]:
-    """The chain of batch samplers under ``dataloader``: its own, then what each wraps."""
+    """The chain of batch samplers under any ``dataloader``: its own, then what each wraps."""
     chain: list[Any] = []
     source = getattr(dataloader, "batch_sampler", None)
     while source is not None and len(chain) < _DEPTH:

@@ -47,6 +47,24 @@ RULES: dict[str, Callable[[float], float]] = {
 UNITS = ("samples", "tokens")
 
 
+def lr_options(rule: Any, by: Any, reference: Any) -> tuple[str, str, float | None]:
+    """The ``lr_scaling``, ``lr_scaling_by`` and ``lr_reference`` options, checked for every entry point.
+
+    Raises:
+        ValueError: an unknown rule or unit, or a reference (or unit) given with ``lr_scaling="none"``.
+    """
+    rule = _checks.one_of("lr_scaling", rule, ("none", "linear", "sqrt"))
+    by = _checks.one_of("lr_scaling_by", by, ("tokens", "samples"))
+    given = None if reference is None else _checks.positive_number("lr_reference", reference)
+    if rule == "none" and (given is not None or by != "tokens"):
+        name, value = ("lr_reference", given) if given is not None else ("lr_scaling_by", by)
+        raise ValueError(
+            f"{name} is used only with lr_scaling='linear' or 'sqrt', but got {name}={value!r} with "
+            f"lr_scaling='none'; set lr_scaling, or leave {name} at its default"
+        )
+    return rule, by, given
+
+
 def count_batch(batch: Any, *, by: str = "samples") -> int:
     """Samples (rows) or real tokens (ones in the attention mask) of one collated batch on this rank.
 

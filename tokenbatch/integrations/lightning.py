@@ -66,7 +66,7 @@ except ImportError as error:  # an optional extra: say how to get it
         "with: pip install 'tokenbatch[lightning]'"
     ) from error
 
-from tokenbatch import OOMFallback, TokenBudgetBatchSampler
+from tokenbatch import OOMFallback, TokenBudgetBatchSampler, _accelerate
 from tokenbatch.integrations import _upstream
 
 __all__ = ["TokenBudgetCallback", "oom_fallback"]
@@ -327,14 +327,9 @@ def _samplers_in(loaders: Any) -> Iterator[TokenBudgetBatchSampler]:
     elif isinstance(loaders, (list, tuple)):
         for value in loaders:
             yield from _samplers_in(value)
-    else:
-        source = getattr(loaders, "batch_sampler", None)
-        for _ in range(4):  # DataLoader -> a wrapper's batch sampler -> ... (a few levels at most)
-            if source is None or isinstance(source, TokenBudgetBatchSampler):
-                break
-            source = getattr(source, "batch_sampler", None)
-        if isinstance(source, TokenBudgetBatchSampler):
-            yield source
+    else:  # a DataLoader -> a wrapper's batch sampler -> ... (a few levels at most)
+        found = [s for s in _accelerate.batch_samplers(loaders) if isinstance(s, TokenBudgetBatchSampler)]
+        yield from found[:1]
 
 
 # -- how Lightning's fit loop counts a token-budget epoch, and where a checkpoint is ----------

@@ -35,7 +35,14 @@ from tokenbatch import _distributed as distributed
 from tokenbatch.cost import CostModel
 from tokenbatch.oom._ddp import DDPSync
 from tokenbatch.oom._errors import OOMEvent, SampleTooLargeError, free_memory, is_oom
-from tokenbatch.oom._split import BatchShape, Piece, inspect_batch, plan_micro_batches, take_rows
+from tokenbatch.oom._split import (
+    BatchShape,
+    Piece,
+    check_weight,
+    inspect_batch,
+    plan_micro_batches,
+    take_rows,
+)
 from tokenbatch.oom._step import Outcome, next_event, raise_on_every_rank, share
 
 logger = logging.getLogger("tokenbatch.oom")
@@ -104,9 +111,7 @@ class EvalGuard:
         self.cost = CostModel() if cost is None else cost
         self.factor = _checks.shrink_factor("factor", factor)
         self.min_tokens = None if min_tokens is None else _checks.positive_number("min_tokens", min_tokens)
-        if not (weight in ("samples", "tokens") or callable(weight)):
-            raise ValueError(f"weight should be 'samples', 'tokens' or a function, but got weight={weight!r}")
-        self.weight, self.pad_token_id = weight, pad_token_id
+        self.weight, self.pad_token_id = check_weight(weight), pad_token_id
         self._ddp = None if model is None else DDPSync(model)
         self.max_tokens: float | None = None
         self.events: list[OOMEvent] = []

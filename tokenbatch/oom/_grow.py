@@ -273,10 +273,6 @@ class BudgetSearch:
             "reason": self.reason,
         }
 
-    def load(self, state: Any, name: str = "state['growth']") -> None:
-        """Take the bracket from :meth:`state`, every field checked before anything changes."""
-        self.read(state, name)()
-
     def read(self, state: Any, name: str = "state['growth']") -> Callable[[], None]:
         """Check the bracket of :meth:`state`; returns what puts it in force (nothing changes before)."""
         keys = set(self.state())

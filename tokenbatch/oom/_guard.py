@@ -33,13 +33,14 @@ from typing import Any, Generic, TypeVar
 import torch
 from torch import nn
 
-from tokenbatch import _checks
+from tokenbatch import _accelerate, _checks
 from tokenbatch import _distributed as distributed
-from tokenbatch._lr import BatchScaledLR, global_count
+from tokenbatch._lr import BatchScaledLR, global_count, lr_options
 from tokenbatch.oom._errors import OOMEvent, free_memory
 from tokenbatch.oom._eval import EvalGuard
 from tokenbatch.oom._grow import Grow, GrowEvent, Growth, as_grow
 from tokenbatch.oom._optimizer import guarded_step
+from tokenbatch.oom._split import check_weight
 from tokenbatch.oom._step import (
     ForwardBackward,
     KeptGradients,
@@ -167,7 +168,7 @@ class OOMFallback:
                 f"model should be a torch.nn.Module, but got model of type {type(model).__name__}"
             )
         self.mode = _checks.one_of("mode", mode, MODES)
-        _check_weight(weight)
+        check_weight(weight)
         if getattr(accelerator, "split_batches", False) is True:
             raise ValueError(
                 "split_batches should be False for TokenBudgetBatchSampler, but got split_batches=True: "
@@ -594,37 +595,30 @@ class OOMFallback:
         Also one that skips batches, or reads the global plan as it is on
         several processes (every rank would train every sample).
         """
-        source: Any = dataloader
-        seen: list[str] = []
-        while getattr(source, "batch_sampler", None) is not None and len(seen) < 4:
-            source = source.batch_sampler  # DataLoader -> accelerate's BatchSamplerShard -> ...
-            seen.append(type(source).__name__)
-            skip = getattr(source, "skip_batches", 0)
-            if isinstance(skip, int) and skip > 0:
-                # accelerate's skip_first_batches: the steps would be numbered from the wrong one.
-                raise ValueError(
-                    f"dataloader should not skip batches under OOMFallback, but it comes from "
-                    f"skip_first_batches(..., {skip}): the sampler resumes by itself at the first step "
-                    f"not yet trained. Checkpoint the fallback (fallback.state_dict(), or "
-                    f"accelerator.register_for_checkpointing(fallback)) and iterate the prepared "
-                    f"DataLoader itself after loading it"
-                )
-            if source is self.sampler:
-                world = distributed.world_size()
-                if len(seen) == 1 and self.sampler.rank is None and world > 1:
-                    raise ValueError(
-                        f"rank should be this process's rank when a DataLoader reads the sampler itself "
-                        f"on {world} processes (plain DDP), but got rank=None: the sampler then yields "
-                        f"the global plan, every rank's batches, and every rank would train every "
-                        f"sample; pass rank=torch.distributed.get_rank(), or let "
-                        f"accelerator.prepare(dataloader) share the plan out"
-                    )
-                return
-        if seen:
+        chain = _accelerate.batch_samplers(dataloader)  # DataLoader -> BatchSamplerShard -> ...
+        skipped = _accelerate.skipped_batches(chain)
+        if skipped:  # accelerate's skip_first_batches: the steps would be numbered from the wrong one
+            raise ValueError(
+                f"dataloader should not skip batches under OOMFallback, but it comes from "
+                f"skip_first_batches(..., {skipped}): the sampler resumes by itself at the first step "
+                f"not yet trained. Checkpoint the fallback (fallback.state_dict(), or "
+                f"accelerator.register_for_checkpointing(fallback)) and iterate the prepared "
+                f"DataLoader itself after loading it"
+            )
+        if chain and not any(source is self.sampler for source in chain):
             raise ValueError(
                 f"dataloader should draw its batches from this fallback's sampler, but its batch "
-                f"samplers are {' -> '.join(seen)}; pass DataLoader(dataset, batch_sampler=sampler) "
-                f"(prepared by accelerate or not) for the sampler given to OOMFallback"
+                f"samplers are {' -> '.join(type(s).__name__ for s in chain)}; pass DataLoader(dataset, "
+                f"batch_sampler=sampler) (prepared by accelerate or not) for the sampler given to OOMFallback"
+            )
+        world = distributed.world_size()
+        if chain and chain[0] is self.sampler and self.sampler.rank is None and world > 1:
+            raise ValueError(
+                f"rank should be this process's rank when a DataLoader reads the sampler itself "
+                f"on {world} processes (plain DDP), but got rank=None: the sampler then yields "
+                f"the global plan, every rank's batches, and every rank would train every "
+                f"sample; pass rank=torch.distributed.get_rank(), or let "
+                f"accelerator.prepare(dataloader) share the plan out"
             )
 
 
@@ -698,25 +692,13 @@ class _Batches(Generic[T]):
 
 def _lr_rule(rule: Any, by: Any, reference: Any) -> tuple[str, str, float] | None:
     """``(rule, by, reference)`` of the ``lr_scaling`` options, or None for no scaling."""
-    rule = _checks.one_of("lr_scaling", rule, ("none", "linear", "sqrt"))
-    by = _checks.one_of("lr_scaling_by", by, ("tokens", "samples"))
+    rule, by, given = lr_options(rule, by, reference)
     if rule == "none":
-        if reference is not None:
-            raise ValueError(
-                f"lr_reference is used only with lr_scaling='linear' or 'sqrt', but got "
-                f"lr_reference={reference!r} with lr_scaling='none'; set lr_scaling, or leave lr_reference "
-                f"out"
-            )
         return None
-    if reference is None:
+    if given is None:
         raise ValueError(
             f"lr_reference should be the step size (in {by}, over all ranks) the learning rate was tuned "
             f"for with lr_scaling={rule!r}, but got lr_reference=None; e.g. 32 texts on 2 processes "
             f"are lr_reference=64 samples, or 64 * mean_length tokens"
         )
-    return rule, by, _checks.positive_number("lr_reference", reference)
-
-
-def _check_weight(weight: Any) -> None:
-    if not (weight in ("samples", "tokens") or callable(weight)):
-        raise ValueError(f"weight should be 'samples', 'tokens' or a function, but got weight={weight!r}")
+    return rule, by, given

@@ -25,6 +25,13 @@ Piece = tuple[Any, float, np.ndarray]
 """A micro-batch, its loss weight, and its rows in the batch."""
 
 
+def check_weight(weight: Any) -> str | Callable[[Any], float]:
+    """``weight`` as the micro-batch options take it: ``"samples"``, ``"tokens"`` or a function."""
+    if not (weight in ("samples", "tokens") or callable(weight)):
+        raise ValueError(f"weight should be 'samples', 'tokens' or a function, but got weight={weight!r}")
+    return weight  # type: ignore[no-any-return]
+
+
 @dataclass(frozen=True)
 class BatchShape:
     """What the splitter needs to know about one collated batch."""

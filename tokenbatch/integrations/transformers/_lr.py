@@ -33,13 +33,10 @@ import numpy as np
 import torch
 from transformers import TrainerCallback
 
-from tokenbatch import _checks
-from tokenbatch._lr import BatchScaledLR, count_batch, global_count
+from tokenbatch._lr import BatchScaledLR, count_batch, global_count, lr_options
 from tokenbatch.sampler import TokenBudgetBatchSampler
 
 logger = logging.getLogger("tokenbatch.integrations.transformers")
-
-SCALINGS = ("none", "linear", "sqrt")
 
 
 def reference_of(
@@ -76,15 +73,7 @@ class StepScaling(TrainerCallback):
     """
 
     def __init__(self, rule: Any, by: Any, reference: Any, *, sampler: Callable[[], Any]) -> None:
-        self.rule = _checks.one_of("lr_scaling", rule, SCALINGS)
-        self.by = _checks.one_of("lr_scaling_by", by, ("tokens", "samples"))
-        self.given = None if reference is None else _checks.positive_number("lr_reference", reference)
-        if self.rule == "none" and (self.given is not None or self.by != "tokens"):
-            name, value = ("lr_reference", self.given) if self.given is not None else ("lr_scaling_by", by)
-            raise ValueError(
-                f"{name} is used only with lr_scaling='linear' or 'sqrt', but got {name}={value!r} with "
-                f"lr_scaling='none'; set lr_scaling, or leave {name} at its default"
-            )
+        self.rule, self.by, self.given = lr_options(rule, by, reference)
         self.enabled = self.rule != "none"
         self._sampler = sampler
         self.reference: float | None = self.given
