@@ -190,7 +190,7 @@ def test_the_state_carries_the_bracket_so_a_resume_does_not_try_a_failed_budget_
         fresh.load_state_dict(bad)
 
 
-def test_memory_changed_allows_a_failed_budget_again() -> None:
+def test_memory_changed_opens_the_bracket_up_to_the_ceiling() -> None:
     search = BudgetSearch(Grow(), ceiling=1000.0)
     assert search.failed_try(budget=1000.0, failed_cost=990.0, halved=495.0) == 495.0
     search.trained(budget=495.0, step_cost=480.0)
@@ -198,8 +198,10 @@ def test_memory_changed_allows_a_failed_budget_again() -> None:
     assert search.failed_try(budget=735.0, failed_cost=700.0, halved=367.5) == 495.0
     search.trained(budget=495.0, step_cost=490.0)
     assert search.memory_try(900.0, 495.0) is None  # above a cost that failed
+    assert search.next_try(495.0) == (490.0 + 700.0) / 2  # below the cost that failed
     search.memory_changed()
-    assert search.failed is None and search.failures == 0
+    assert search.failed == search.ceiling and search.failures == 0  # the bracket reaches the ceiling again
+    assert search.next_try(495.0) == (490.0 + 1000.0) / 2  # as after a first OOM at the ceiling
     assert search.memory_try(900.0, 495.0) == 900.0
 
 
@@ -372,3 +374,36 @@ def test_the_docstring_case_grows_in_split_mode() -> None:
             fallback.backward(x, lambda x: model(x).square().mean())
     [grown] = fallback.growth_events
     assert (grown.step, grown.old_max_tokens, grown.new_max_tokens) == (1, 8.0, 12.0)
+
+
+@pytest.mark.parametrize("mode", ["halve", "split"])
+def test_memory_changed_climbs_again_towards_the_samplers_budget(mode: str) -> None:
+    """Issue 21.2: more memory, then ``memory_changed()``: the guard climbs as after the first OOM, on CPU."""
+    model = Tiny()
+    sampler = TokenBudgetBatchSampler(LENGTHS, 2000, seed=0)
+    loader = DataLoader(ROWS, batch_sampler=sampler, collate_fn=collate)
+    fallback = OOMFallback(sampler, model, mode=mode)
+    changed_at = 2
+    with inject_oom(model, 300) as injector:
+        for epoch in range(5):
+            if epoch == changed_at:  # the other job on the device ended: 1000 fits now
+                injector.max_tokens = 1000
+                fallback.memory_changed()
+            sampler.set_epoch(epoch)
+            trained: list[int] = []
+            for batch in fallback.iterate(loader):
+                if fallback.backward(batch, lambda b: model(b["input_ids"], b["attention_mask"])) is not None:
+                    trained += batch["idx"].tolist()
+            assert sorted(trained) == list(range(len(LENGTHS))), epoch  # every sample once per epoch
+            if epoch == changed_at - 1:
+                assert fallback.max_tokens <= 300 / 0.95
+    after = [g.new_max_tokens for g in fallback.growth_events if g.epoch >= changed_at]
+    assert after and max(after) >= 0.85 * 1000, (fallback.max_tokens, after)
+    assert mode == "split" or max(after) <= 1000 / 0.95
+    # After the change: at most max_failures failed tries, none at or above a cost that failed since.
+    since = [e for e in fallback.events if e.epoch >= changed_at]
+    assert all(e.growth for e in since) and len(since) <= Grow().max_failures
+    failed = math.inf
+    for kind, budget in history(fallback)[-len(after) - len(since) :]:
+        assert kind == "oom" or budget < failed, (kind, budget, failed)
+        failed = min(failed, budget) if kind != "grown" else failed

@@ -15,7 +15,8 @@ back where it was (the step is recovered like any other OOM). Any later OOM
 goes back to ``proven`` rather than below it. It stops once
 ``failed - proven <= tolerance * failed`` or after ``max_failures`` failed
 tries, and never tries at or above a cost that failed, unless told that
-memory changed (:meth:`BudgetSearch.memory_changed`).
+memory changed (:meth:`BudgetSearch.memory_changed`): then the bracket's top
+is the ceiling again and the search climbs as after a first OOM there.
 
 :class:`Growth` is the guard's side: it feeds the search only what every
 rank knows alike (the shared outcomes, step counts, the sampler's global
@@ -182,7 +183,8 @@ class BudgetSearch:
     proven: float | None = None
     """The cost of the costliest step that trained (since the last OOM at or below it)."""
     failed: float | None = None
-    """The cost of the cheapest batch that ran out of memory."""
+    """The bracket's top: the cost of the cheapest batch that ran out of memory, or the ceiling
+    after :meth:`memory_changed` (nothing failed since); None before any OOM (no bracket)."""
     failures: int = 0
     """Tries that ran out of memory."""
     trying: float | None = None
@@ -259,8 +261,13 @@ class BudgetSearch:
         self.trying = self.before = None
 
     def memory_changed(self) -> None:
-        """Forget the failures: memory was freed (or the model changed), so larger budgets may fit again."""
-        self.failed, self.failures = None, 0
+        """Memory was freed (or the model changed): forget the failures and search up to the ceiling again.
+
+        The bracket's top becomes the ceiling, as if the first OOM had been there,
+        so the next try is the midpoint between what trained and the ceiling.
+        (Forgetting ``failed`` alone would leave no bracket, and no try without one.)
+        """
+        self.failed, self.failures = self.ceiling, 0
 
     def state(self) -> dict[str, Any]:
         return {

@@ -238,7 +238,11 @@ class OOMFallback:
         return [] if self._growth is None else self._growth.events
 
     def memory_changed(self) -> None:
-        """Memory was freed (or the model changed): growth may try failed budgets again. On every rank."""
+        """Memory was freed (or the model changed): climb again towards the sampler's budget. On every rank.
+
+        Growth forgets the budgets that failed and tries, at the next step boundaries, budgets between
+        the costliest step that trained and the sampler's budget, as after a first OOM there.
+        """
         if self._growth is not None:
             self._growth.memory_changed()
 
