@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch.utils.data import DataLoader
 
-from tokenbatch import OOMFallback, TokenBudgetBatchSampler
+from tokenbatch import CostModel, OOMFallback, TokenBudgetBatchSampler
 from tokenbatch.oom import Grow, GrowEvent, OOMEvent, _grow
 from tokenbatch.oom._grow import BudgetSearch, peak_budget
 from tokenbatch.probe import BudgetCache, BudgetKey, remember_budget
@@ -407,3 +407,63 @@ def test_memory_changed_climbs_again_towards_the_samplers_budget(mode: str) -> N
     for kind, budget in history(fallback)[-len(after) - len(since) :]:
         assert kind == "oom" or budget < failed, (kind, budget, failed)
         failed = min(failed, budget) if kind != "grown" else failed
+
+
+# Long-tailed lengths (a few reviews of hundreds of tokens among short ones): here attention's
+# quadratic term ranks batches differently from their padded token count.
+TAILED = np.clip(np.random.default_rng(1).lognormal(np.log(60), 0.8, 300), 4, 500).astype(int).tolist()
+
+
+def run_attention(mode: str, rule: str) -> tuple[list[tuple[float, float, float]], OOMFallback]:
+    """Two epochs under ``CostModel.attention(435)`` and 3000 of ``rule`` ("sampler": the same cost,
+    "padded": padded tokens): per OOM event (the costliest step trained before it, the cost of
+    the batch that failed, both in the sampler's cost, the new budget)."""
+    model = Tiny()
+    rows = [{"length": n, "idx": i} for i, n in enumerate(TAILED)]
+    sampler = TokenBudgetBatchSampler(TAILED, 8192, cost=CostModel.attention(435), seed=0)
+    loader = DataLoader(rows, batch_sampler=sampler, collate_fn=collate)
+    fallback = OOMFallback(sampler, model, mode=mode)
+    shapes: list[tuple[int, int]] = []  # every model call, the failing ones too (hooked before the injector)
+    model.register_forward_pre_hook(lambda _, args: shapes.append(tuple(args[0].shape)))
+    seen: list[tuple[float, float, float]] = []
+    proven = 0.0  # the costliest step (split: micro-batch) trained since the last OOM at or below it
+    with inject_oom(model, 3000, cost=sampler if rule == "sampler" else None) as injector:
+        for epoch in range(2):
+            sampler.set_epoch(epoch)
+            trained: list[int] = []
+            for batch in fallback.iterate(loader):
+                calls, events = len(shapes), len(fallback.events)
+                loss = fallback.backward(batch, lambda b: model(b["input_ids"], b["attention_mask"]))
+                ran = [
+                    (sampler.cost.cost(*shape), over > injector.max_tokens)
+                    for shape, over in zip(shapes[calls:], injector.costs[calls:], strict=True)
+                ]
+                failed = [c for c, oom in ran if oom]
+                for event, failed_cost in zip(fallback.events[events:], failed, strict=True):
+                    seen.append((proven, failed_cost, event.new_max_tokens))
+                    proven = 0.0 if failed_cost <= proven else proven
+                if loss is not None:  # the calls after the last failure trained
+                    last = max((i for i, (_, oom) in enumerate(ran) if oom), default=-1)
+                    proven = max([proven] + [c for c, _ in ran[last + 1 :]])
+                    trained += batch["idx"].tolist()
+            assert sorted(trained) == list(range(len(TAILED))), epoch  # every sample once per epoch
+    return seen, fallback
+
+
+@pytest.mark.parametrize("mode", ["halve", "split"])
+def test_a_later_oom_goes_back_to_the_costliest_step_that_trained(mode: str) -> None:
+    """Issue 21.8: a rehearsal with the sampler's own cost never lands below what trained."""
+    seen, fallback = run_attention(mode, "sampler")
+    assert len(seen) == len(fallback.events) > 2 and fallback.growth_events
+    for proven, failed_cost, new in seen:
+        assert failed_cost > proven and new >= proven, (proven, failed_cost, new)
+
+
+def test_below_what_trained_only_after_a_batch_cheaper_than_it_failed() -> None:
+    """Where memory ranks batches otherwise than the sampler's cost (padded tokens against
+    attention's), a batch cheaper than a step that trained can fail: only then is the budget halved
+    from it, below that step (what docs/oom.md says)."""
+    seen, _ = run_attention("halve", "padded")
+    assert any(failed_cost <= proven for proven, failed_cost, _ in seen)  # the case happens here
+    for proven, failed_cost, new in seen:
+        assert new >= proven or failed_cost <= proven, (proven, failed_cost, new)

@@ -7,7 +7,7 @@ import contextlib
 import pytest
 import torch
 
-from tokenbatch import CostModel, is_oom
+from tokenbatch import CostModel, TokenBudgetBatchSampler, TokenBudgetStream, is_oom
 from tokenbatch.testing import inject_oom
 
 
@@ -76,6 +76,25 @@ def test_ranks_times_cost_and_cpu_kind() -> None:
         model(ids(2, 2))
     assert type(info.value) is RuntimeError and "DefaultCPUAllocator" in str(info.value)
     assert is_oom(info.value)
+
+
+def test_cost_can_be_the_samplers_or_the_streams() -> None:
+    """Issue 21.8: a rehearsal in the budget's own units, with the sampler (or stream) it guards."""
+    attention = CostModel.attention(crossover=4)
+    sampler = TokenBudgetBatchSampler([4, 6] * 8, 64, cost=attention)
+    stream = TokenBudgetStream(lambda: iter([[1] * 4, [1] * 6]), 64, cost=attention)
+    for source in (sampler, stream, attention):
+        model = Tiny()
+        with inject_oom(model, 40, cost=source) as injector:
+            model(ids(4, 4))  # 16 tokens, cost 32
+            with pytest.raises(torch.OutOfMemoryError, match="costs 60 > max_tokens=40"):
+                model(ids(4, 6))  # 24 tokens, cost 60
+        assert injector.costs == [32.0, 60.0]
+    with inject_oom(model, 40) as injector:  # by default padded tokens, the default sampler's cost
+        model(ids(4, 6))
+    assert injector.costs == [24.0]
+    with pytest.raises(TypeError, match=r"cost should be the TokenBudgetBatchSampler .* got cost='attention'"):
+        inject_oom(Tiny(), 1, cost="attention")  # type: ignore[arg-type]
 
 
 def test_arguments_are_checked() -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Collection
 from types import TracebackType
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -39,6 +39,27 @@ def _batch_shape(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[int, in
         if isinstance(value, torch.Tensor) and value.dim() >= 2:
             return int(value.shape[0]), int(value.shape[1])
     return None
+
+
+class _Costed(Protocol):
+    """What carries a budget's cost: a TokenBudgetBatchSampler or TokenBudgetStream (a layer above)."""
+
+    cost: CostModel
+
+
+def _as_cost(cost: CostModel | _Costed | None) -> CostModel:
+    """The cost ``inject_oom(cost=...)`` counts: a CostModel, a sampler's or stream's, or padded tokens."""
+    if cost is None:
+        return CostModel()
+    if isinstance(cost, CostModel):
+        return cost
+    own = getattr(cost, "cost", None)
+    if isinstance(own, CostModel):
+        return own
+    raise TypeError(
+        f"cost should be the TokenBudgetBatchSampler (or TokenBudgetStream) whose budget max_tokens is in, "
+        f"or a tokenbatch.CostModel, but got cost={cost!r:.100}; leave it out to count padded tokens"
+    )
 
 
 class OOMInjector:
@@ -72,7 +93,7 @@ class OOMInjector:
         ranks: Collection[int] | None = None,
         times: int | None = None,
         after: int = 0,
-        cost: CostModel | None = None,
+        cost: CostModel | _Costed | None = None,
         kind: str = "cuda",
     ) -> None:
         if not isinstance(model, nn.Module):
@@ -86,7 +107,7 @@ class OOMInjector:
         self.ranks = None if ranks is None else frozenset(int(r) for r in ranks)
         self.times = None if times is None else _checks.positive_int("times", times)
         self.after = _checks.non_negative_int("after", after)
-        self.cost = CostModel() if cost is None else cost
+        self.cost = _as_cost(cost)
         self.count = 0
         self.calls = 0
         self.costs: list[float] = []
@@ -170,7 +191,7 @@ def inject_oom(
     ranks: Collection[int] | None = None,
     times: int | None = None,
     after: int = 0,
-    cost: CostModel | None = None,
+    cost: CostModel | _Costed | None = None,
     kind: str = "cuda",
 ) -> OOMInjector:
     """Make ``model`` run out of memory on batches that cost more than ``max_tokens``.
@@ -190,7 +211,10 @@ def inject_oom(
         times: raise at most this many times (default: every time).
         after: let the first ``after`` model calls through whatever their
             cost (to rehearse an OOM in the middle of an epoch).
-        cost: how a batch is costed (default: padded tokens, rows x length).
+        cost: how a batch is costed: pass the sampler (or stream) feeding the
+            model, or its ``CostModel``, to rehearse in the budget's own units,
+            the rule growth assumes memory follows (see docs/oom.md, Growth).
+            Default: padded tokens, rows x length (the default sampler's cost).
         kind: ``"cuda"`` raises ``torch.OutOfMemoryError``; ``"cpu"`` raises the
             ``RuntimeError`` of PyTorch's CPU allocator.
     """

@@ -79,14 +79,14 @@ class OOMEvent:
     """0 for the step's first try; 1, 2, ... for retries of smaller micro-batches."""
     growth: bool = False
     """True: the step ran under a larger budget being tried (``OOMFallback(grow=...)``) and the
-    budget went back to the one before it, which had trained."""
+    budget went back to the one before it, which had trained (or to the usual halving, if higher)."""
 
     def __str__(self) -> str:
         places = ", ".join(f"rank {r} ({w})" for r, w in zip(self.ranks, self.where, strict=True))
         retry = f" (retry {self.attempt})" if self.attempt else ""
         action = "micro-batches" if self.mode == "split" else "re-planned the epoch"
         if self.growth:
-            action = f"a growth try failed, back to the budget that trained; {action}"
+            action = f"a growth try failed; {action}"
         return (
             f"out of memory at epoch {self.epoch}, step {self.step}{retry} on {places}, longest sequence "
             f"{self.longest} tokens: max_tokens {self.old_max_tokens:g} -> {self.new_max_tokens:g} ({action})"

@@ -12,7 +12,9 @@ A try that trains a step costing at least ``1 - tolerance`` of it (split
 mode: more than the budget before it) is a success (:class:`GrowEvent`);
 a try that runs out of memory moves ``failed`` down and puts the budget
 back where it was (the step is recovered like any other OOM). Any later OOM
-goes back to ``proven`` rather than below it. It stops once
+goes back to ``proven`` rather than below it, unless the batch that failed cost
+no more than ``proven`` (memory ranks batches otherwise than the cost model):
+then ``proven`` is forgotten and the budget halves from the failed cost. It stops once
 ``failed - proven <= tolerance * failed`` or after ``max_failures`` failed
 tries, and never tries at or above a cost that failed, unless told that
 memory changed (:meth:`BudgetSearch.memory_changed`): then the bracket's top

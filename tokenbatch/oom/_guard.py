@@ -509,7 +509,7 @@ class OOMFallback:
                     min_tokens=self.min_tokens,
                     attempt=attempt,
                 )
-                if self._growth is not None:  # a failed try: back to the budget that trained
+                if self._growth is not None:  # a failed try: back to the budget before it
                     event = self._growth.failed(event, outcomes)
                 self._record(event)
                 # A sample over the new budget gets a batch of its own (the sampler admitted it): only when
