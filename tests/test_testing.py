@@ -93,7 +93,7 @@ def test_cost_can_be_the_samplers_or_the_streams() -> None:
     with inject_oom(model, 40) as injector:  # by default padded tokens, the default sampler's cost
         model(ids(4, 6))
     assert injector.costs == [24.0]
-    with pytest.raises(TypeError, match=r"cost should be the TokenBudgetBatchSampler .* got cost='attention'"):
+    with pytest.raises(TypeError, match=r"cost should be the TokenBudgetBatchSampler .* cost='attention'"):
         inject_oom(Tiny(), 1, cost="attention")  # type: ignore[arg-type]
 
 
