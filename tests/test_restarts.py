@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from tests.conftest import Torchrun
-from tokenbatch.integrations.accelerate import latest_checkpoint, save_checkpoint
+from tokenbatch.integrations.accelerate import last_checkpoint, save_checkpoint
 
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "restart_run.py"
 sys.path.insert(0, str(SCRIPT.parent))
@@ -190,11 +190,11 @@ def accelerator() -> Any:
 
 def test_checkpoints_are_numbered_on_and_the_oldest_removed(accelerator: Any, tmp_path: Path) -> None:
     root = tmp_path / "checkpoints"
-    assert latest_checkpoint(root) is None
+    assert last_checkpoint(root) is None
     names = [save_checkpoint(accelerator, root, keep=2).name for _ in range(3)]
     assert names == ["checkpoint_0", "checkpoint_1", "checkpoint_2"]
     assert sorted(p.name for p in root.iterdir()) == ["checkpoint_1", "checkpoint_2"]
-    assert latest_checkpoint(root) == root / "checkpoint_2"
+    assert last_checkpoint(root) == root / "checkpoint_2"
     assert "model.safetensors" in {p.name for p in (root / "checkpoint_2").iterdir()}
 
 
@@ -205,7 +205,7 @@ def test_a_partial_folder_is_never_the_latest_and_goes_at_the_next_save(
     save_checkpoint(accelerator, root)
     (root / ".checkpoint_1.partial").mkdir()  # a save that was killed
     (root / ".checkpoint_1.partial" / "model.safetensors").write_bytes(b"half")
-    assert latest_checkpoint(root) == root / "checkpoint_0"
+    assert last_checkpoint(root) == root / "checkpoint_0"
     assert save_checkpoint(accelerator, root).name == "checkpoint_1"
     assert sorted(p.name for p in root.iterdir()) == ["checkpoint_0", "checkpoint_1"]
     assert (root / "checkpoint_1" / "model.safetensors").read_bytes() != b"half"

@@ -6,7 +6,7 @@ The loop: halve mode, ``inject_oom`` as the machine's memory on every attempt (o
 epoch 0 lowers the budget for good), a checkpoint every ``EVERY`` steps with ``save_checkpoint``,
 and SIGTERM handled as docs/restarts.md says: ``accelerator.set_trigger()`` in the handler,
 ``accelerator.check_trigger()`` at every step boundary, a checkpoint and a clean exit when any
-process was signalled. Each run starts from ``latest_checkpoint`` when there is one.
+process was signalled. Each run starts from ``last_checkpoint`` when there is one.
 
 With ``VICTIM:STEP:AFTER``, under ``torchrun --max-restarts 2``, each attempt meets one fault:
 
@@ -48,7 +48,7 @@ from accelerate import Accelerator  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 from tokenbatch import OOMFallback, TokenBudgetBatchSampler  # noqa: E402
-from tokenbatch.integrations.accelerate import finish, latest_checkpoint, save_checkpoint  # noqa: E402
+from tokenbatch.integrations.accelerate import finish, last_checkpoint, save_checkpoint  # noqa: E402
 from tokenbatch.testing import inject_oom  # noqa: E402
 
 LENGTHS = [3 + (i * 37) % 53 for i in range(240)]
@@ -117,7 +117,7 @@ def train(accelerator: Accelerator, out: Path, run: str) -> None:
     accelerator.register_for_checkpointing(fallback)
 
     checkpoints = out / "checkpoints"
-    resumed = (checkpoints if checkpoints.is_dir() else None) if NAIVE else latest_checkpoint(checkpoints)
+    resumed = (checkpoints if checkpoints.is_dir() else None) if NAIVE else last_checkpoint(checkpoints)
     if resumed is not None:
         accelerator.load_state(str(resumed))
     log.write(

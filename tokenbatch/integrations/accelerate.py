@@ -8,7 +8,7 @@
 - :func:`finish`: end a distributed run without the DDP shutdown hang;
 - :func:`token_cost`: the model's analytic cost for the device and precision
   accelerate runs it in, in token units;
-- :func:`save_checkpoint`, :func:`latest_checkpoint`: ``accelerator.save_state``
+- :func:`save_checkpoint`, :func:`last_checkpoint`: ``accelerator.save_state``
   into numbered folders that appear complete or not at all, and the newest of
   them, for a job that restarts (docs/restarts.md).
 
@@ -65,7 +65,7 @@ from tokenbatch.probe import MemoryModel
 if TYPE_CHECKING:
     from tokenbatch.oom import OOMFallback
 
-__all__ = ["finish", "gather_samples", "latest_checkpoint", "progress", "save_checkpoint", "token_cost"]
+__all__ = ["finish", "gather_samples", "last_checkpoint", "progress", "save_checkpoint", "token_cost"]
 
 logger = logging.getLogger(__name__)
 
@@ -278,7 +278,7 @@ def save_checkpoint(accelerator: Accelerator, directory: str | os.PathLike[str],
 
     Example::
 
-        if (checkpoint := latest_checkpoint("checkpoints")) is not None:
+        if (checkpoint := last_checkpoint("checkpoints")) is not None:
             accelerator.load_state(checkpoint)  # the model, the optimizer, the guard with the sampler
         ...
         save_checkpoint(accelerator, "checkpoints")  # every k steps, on every process
@@ -316,12 +316,12 @@ def save_checkpoint(accelerator: Accelerator, directory: str | os.PathLike[str],
     return final
 
 
-def latest_checkpoint(directory: str | os.PathLike[str]) -> Path | None:
+def last_checkpoint(directory: str | os.PathLike[str]) -> Path | None:
     """The newest complete checkpoint :func:`save_checkpoint` wrote in ``directory``; None if there is none.
 
     Example::
 
-        if (checkpoint := latest_checkpoint("checkpoints")) is not None:
+        if (checkpoint := last_checkpoint("checkpoints")) is not None:
             accelerator.load_state(checkpoint)
     """
     complete = _checkpoints(Path(directory))
