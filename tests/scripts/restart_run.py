@@ -14,8 +14,8 @@ With ``VICTIM:STEP:AFTER``, under ``torchrun --max-restarts 2``, each attempt me
 1. rank 0 SIGKILLs itself in the middle of its second checkpoint, after the model's files and
    before the registered objects';
 2. after its AFTER-th step, rank 0 sends SIGTERM to torchrun (its parent), which forwards it to
-   both workers. Rank 1 blocks SIGTERM from its start, so the signal never reaches it: it stops
-   because the ranks agree, not because it heard anything.
+   both workers, and waits until it has its own. Rank 1 blocks SIGTERM from its start, so the
+   signal never reaches it: it stops because the ranks agree, not because it heard anything.
 
 Each rank appends to ``OUT/RUN-rank<r>.jsonl``, flushed line by line so that a SIGKILL loses
 nothing written: the start (the checkpoint resumed, its position, the budget, a checksum of
@@ -32,7 +32,7 @@ import signal
 import sys
 
 ATTEMPT = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-FAULTS = sys.argv[3] if len(sys.argv) > 3 else ""
+FAULTS = sys.argv[3] if __name__ == "__main__" and len(sys.argv) > 3 else ""
 if FAULTS and ATTEMPT == 2 and os.environ.get("RANK") == "1":
     # Before torch starts any thread, so that every thread inherits the mask: the process never
     # takes the SIGTERM torchrun forwards (it stays pending until the process exits).
@@ -178,11 +178,20 @@ def train(accelerator: Accelerator, out: Path, run: str) -> None:
                 trained_here += 1
                 if attempt == 2 and rank == 0 and trained_here == signal_after:
                     os.kill(os.getppid(), signal.SIGTERM)  # the scheduler preempts the job: torchrun first
+                    deadline = time.monotonic() + 60  # until torchrun has forwarded it here: a known step
+                    while not heard and time.monotonic() < deadline:
+                        time.sleep(0.01)
                 if fallback.steps_done % EVERY == 0:
                     save()
             if accelerator.check_trigger():  # SIGTERM on any process: True on all, at this same step
                 save()
-                log.write(event="stopped", epoch=sampler.epoch, step=fallback.steps_done, heard=heard)
+                log.write(
+                    event="stopped",
+                    epoch=sampler.epoch,
+                    step=fallback.steps_done,
+                    trained=trained_here,
+                    heard=heard,
+                )
                 return
     save()  # the end too: a job run again after it finished trains nothing
     log.write(event="done", max_tokens=fallback.max_tokens, events=len(fallback.events))
