@@ -12,7 +12,7 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -221,18 +221,25 @@ def accelerate_launch() -> Callable[..., list[str]]:
 
 @pytest.fixture(scope="session")
 def torchrun() -> Torchrun:
-    """``torchrun(script, *args, nproc=2, timeout=300, env=None)``: real processes (gloo), fail on a hang.
+    """``torchrun(script, *args, nproc=2, timeout=300, env=None, options=(), returncode=0)``: real processes.
 
-    Each run gets its own rendezvous port (``--standalone``), one thread per
-    process and no hub; a non-zero exit fails with the end of its stderr.
+    Each run gets its own rendezvous port (``--standalone``), gloo, one thread per
+    process and no hub; an exit other than ``returncode`` fails with the end of its stderr.
     ``env`` adds (or overrides) variables of the processes' environment, e.g.
-    ``torchrun(SCRIPT, out, env={"ACCELERATE_USE_CPU": "1"})``.
+    ``torchrun(SCRIPT, out, env={"ACCELERATE_USE_CPU": "1"})``; ``options`` are more of
+    torchrun's own, e.g. ``options=["--max-restarts", "1"]``.
     """
 
     repo = str(Path(__file__).resolve().parents[1])
 
     def launch(
-        script: Path, *args: Any, nproc: int = 2, timeout: float = 300, env: Mapping[str, str] | None = None
+        script: Path,
+        *args: Any,
+        nproc: int = 2,
+        timeout: float = 300,
+        env: Mapping[str, str] | None = None,
+        options: Sequence[str] = (),
+        returncode: int = 0,
     ) -> Any:
         variables = {
             **os.environ,
@@ -242,7 +249,7 @@ def torchrun() -> Torchrun:
             **(env or {}),
         }
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-        command += ["--nproc_per_node", str(nproc), str(script), *map(str, args)]
+        command += [*options, "--nproc_per_node", str(nproc), str(script), *map(str, args)]
         child = subprocess.Popen(
             command,
             env=variables,
@@ -267,7 +274,7 @@ def torchrun() -> Torchrun:
                 f"its stderr ends: {stderr[-3000:] or '(nothing)'}"
             )
         done = subprocess.CompletedProcess(command, child.returncode, stdout, stderr)
-        assert done.returncode == 0, done.stderr[-4000:]
+        assert done.returncode == returncode, done.stderr[-4000:]
         return done
 
     return launch

@@ -38,6 +38,7 @@ import glob
 import io
 import re
 import shlex
+import signal
 import sys
 import textwrap
 from collections.abc import Iterator
@@ -203,6 +204,7 @@ def test_python_blocks_run(
     monkeypatch.setattr(sys, "argv", ["script.py", str(doc_data["data_dir"]), str(doc_data["model_dir"])])
     namespace = names(doc_data)
     ran = 0
+    sigterm = signal.getsignal(signal.SIGTERM)  # docs/restarts.md handles SIGTERM, as a script would
     try:
         for block in blocks(path):
             if block.lang != "python" or block.marker == "not run":
@@ -215,6 +217,7 @@ def test_python_blocks_run(
                 exec(code, namespace)
             ran += 1
     finally:
+        signal.signal(signal.SIGTERM, sigterm)
         reset_accelerate()
     if path == README:
         assert ran >= 3  # the accelerate loop, the Trainer, the minimal sample

@@ -7,7 +7,10 @@
   follows re-plans and shows the budget in force;
 - :func:`finish`: end a distributed run without the DDP shutdown hang;
 - :func:`token_cost`: the model's analytic cost for the device and precision
-  accelerate runs it in, in token units.
+  accelerate runs it in, in token units;
+- :func:`save_checkpoint`, :func:`last_checkpoint`: ``accelerator.save_state``
+  into numbered folders that appear complete or not at all, and the newest of
+  them, for a job that restarts (docs/restarts.md).
 
 A loop with them::
 
@@ -34,9 +37,13 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
+import re
+import shutil
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import nullcontext
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import torch
@@ -50,6 +57,7 @@ except ImportError as error:  # pragma: no cover - the extra is not installed
         "tokenbatch.integrations.accelerate needs accelerate: pip install 'tokenbatch[accelerate]'"
     ) from error
 
+from tokenbatch import _checks
 from tokenbatch.cost import CostModel
 from tokenbatch.integrations import _upstream
 from tokenbatch.probe import MemoryModel
@@ -57,11 +65,12 @@ from tokenbatch.probe import MemoryModel
 if TYPE_CHECKING:
     from tokenbatch.oom import OOMFallback
 
-__all__ = ["finish", "gather_samples", "progress", "token_cost"]
+__all__ = ["finish", "gather_samples", "last_checkpoint", "progress", "save_checkpoint", "token_cost"]
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+_CHECKPOINT = re.compile(r"checkpoint_(\d+)")  # the names of accelerate's automatic naming
 
 
 def token_cost(
@@ -245,3 +254,91 @@ def finish(accelerator: Accelerator) -> None:
             "(pytorch/pytorch#56297)"
         )
     accelerator.end_training()
+
+
+def save_checkpoint(accelerator: Accelerator, directory: str | os.PathLike[str], *, keep: int = 2) -> Path:
+    """``accelerator.save_state`` into ``directory/checkpoint_<n>``, which appears complete or not at all.
+
+    ``save_state`` writes file after file, the model's and the registered objects' on the main
+    process and each process's random state on that process. A process killed meanwhile leaves a
+    folder that looks like a checkpoint and is not one: overwritten in place, it mixes two steps.
+    Here every process writes into ``directory/.checkpoint_<n>.partial``; once all have written,
+    the main process flushes the files to disk and renames the folder ``checkpoint_<n>`` (a
+    rename is atomic), then removes all but the newest ``keep``. ``n`` is one more than the
+    newest complete checkpoint's, so a resumed run numbers on. A folder left partial by a killed
+    save is removed at the next save. Call it on every process, as ``save_state``; ``directory``
+    must be one that every process sees.
+
+    Returns:
+        The checkpoint's folder, for ``accelerator.load_state``.
+
+    Raises:
+        ValueError: ``keep`` is not at least 1, or the accelerator names its checkpoints itself
+            (``ProjectConfiguration(automatic_checkpoint_naming=True)``).
+
+    Example::
+
+        if (checkpoint := last_checkpoint("checkpoints")) is not None:
+            accelerator.load_state(checkpoint)  # the model, the optimizer, the guard with the sampler
+        ...
+        save_checkpoint(accelerator, "checkpoints")  # every k steps, on every process
+    """
+    keep = _checks.positive_int("keep", keep)
+    if accelerator.project_configuration.automatic_checkpoint_naming:
+        raise ValueError(
+            "automatic_checkpoint_naming should be False for save_checkpoint, but got "
+            "ProjectConfiguration(automatic_checkpoint_naming=True): save_state would write into its own "
+            "folder, not the partial one save_checkpoint renames once complete; leave it False and pass "
+            "the directory to save_checkpoint"
+        )
+    root = Path(directory)
+    main = accelerator.is_main_process
+    if main:
+        root.mkdir(parents=True, exist_ok=True)
+        for stale in root.glob(".checkpoint_*.partial"):  # a save (or a removal) that was killed
+            shutil.rmtree(stale)
+    accelerator.wait_for_everyone()  # nobody writes before the stale folders are gone
+    # Every process reads the same numbers: nothing renames a checkpoint between the two barriers.
+    complete = _checkpoints(root)
+    final = root / f"checkpoint_{complete[-1][0] + 1 if complete else 0}"
+    partial = root / f".{final.name}.partial"
+    accelerator.save_state(str(partial))
+    accelerator.wait_for_everyone()  # every process has written its part
+    if main:
+        for path in (*partial.rglob("*"), partial):  # on disk before the name says it is complete
+            _fsync(path)
+        partial.rename(final)
+        _fsync(root)
+        for _, old in _checkpoints(root)[:-keep]:
+            doomed = root / f".{old.name}.partial"  # a removal cut short leaves no complete-looking name
+            old.rename(doomed)
+            shutil.rmtree(doomed)
+    return final
+
+
+def last_checkpoint(directory: str | os.PathLike[str]) -> Path | None:
+    """The newest complete checkpoint :func:`save_checkpoint` wrote in ``directory``; None if there is none.
+
+    Example::
+
+        if (checkpoint := last_checkpoint("checkpoints")) is not None:
+            accelerator.load_state(checkpoint)
+    """
+    complete = _checkpoints(Path(directory))
+    return complete[-1][1] if complete else None
+
+
+def _checkpoints(root: Path) -> list[tuple[int, Path]]:
+    """The complete checkpoints in ``root``, oldest first, with their numbers."""
+    if not root.is_dir():
+        return []
+    found = ((_CHECKPOINT.fullmatch(path.name), path) for path in root.iterdir() if path.is_dir())
+    return sorted((int(match[1]), path) for match, path in found if match)
+
+
+def _fsync(path: Path) -> None:
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
