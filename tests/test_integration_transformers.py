@@ -71,9 +71,9 @@ def first_plan_cost(trainer: Any, step: int) -> float:
 
 @pytest.fixture(scope="module")
 def split_run(tmp_path_factory: pytest.TempPathFactory, emotion_data_dir: Path, minilm_tokenizer: Any) -> Any:
-    """oom_mode="split", OOM in the forward of batches over OOM_LIMIT padded tokens; a checkpoint kept."""
+    """oom_mode="split", OOM in the forward of batches over OOM_LIMIT padded tokens; checkpoints kept."""
     trainer = tc.make_trainer(emotion_data_dir, minilm_tokenizer, tmp_path_factory.mktemp("split"))
-    trainer.add_callback(tc.save_at(steps=(2,)))
+    trainer.add_callback(tc.save_at(steps=(2,), epochs=(1,)))
     trainer.injector = inject_oom(trainer.model, tc.OOM_LIMIT, where="forward")
     trainer.train()
     trainer.injector.remove()
@@ -140,7 +140,7 @@ def halve_run(tmp_path_factory: pytest.TempPathFactory, emotion_data_dir: Path, 
     """oom_mode="halve", accumulation 2, OOM in the forward of a group's 2nd batch; checkpoints kept."""
     out = tmp_path_factory.mktemp("halve")
     trainer = tc.make_trainer(emotion_data_dir, minilm_tokenizer, out, oom_mode="halve", accumulation=2)
-    trainer.add_callback(tc.save_at(steps=(3,), epochs=(0,)))
+    trainer.add_callback(tc.save_at(steps=(3,), epochs=(0, 1)))
     failure = tc.CallOOM(trainer.model, {2}, where="forward")
     trainer.train()
     failure.remove()
@@ -199,6 +199,27 @@ def test_resume_continues_at_the_same_sample_with_the_same_budget(
     expected = [s for s in original.recorder.steps if s["global_step"] >= start]
     assert resumed.recorder.steps == expected  # same samples, budget, learning rate, run length
     assert resumed.oom_events == original.oom_events
+    assert torch.equal(tc.flat_params(resumed.model), tc.flat_params(original.model))
+
+
+@pytest.mark.parametrize("mode", ["split", "halve"])
+def test_a_finished_run_resumed_trains_nothing(
+    request: pytest.FixtureRequest, emotion_data_dir: Path, minilm_tokenizer: Any, mode: str
+) -> None:
+    """Resumed from its last checkpoint (global_step == max_steps), a run ends at once, as Trainer's does."""
+    original = request.getfixturevalue(f"{mode}_run")
+    out = Path(original.args.output_dir)
+    last = out / f"checkpoint-{original.state.global_step}"  # saved at the end of the last epoch
+    assert (last / "tokenbatch_state.json").is_file()
+    accumulation = original.args.gradient_accumulation_steps
+    resumed = tc.make_trainer(
+        emotion_data_dir, minilm_tokenizer, out, oom_mode=mode, accumulation=accumulation
+    )
+    # halve: resume_from_checkpoint=True in the same output_dir (a job run again), which finds it
+    resumed.train(resume_from_checkpoint=True if mode == "halve" else str(last))
+
+    assert resumed.recorder.steps == []
+    assert resumed.state.global_step == resumed.state.max_steps == original.state.global_step
     assert torch.equal(tc.flat_params(resumed.model), tc.flat_params(original.model))
 
 

@@ -367,6 +367,14 @@ class TokenBudgetTrainer(Trainer):
             bound = args.gradient_accumulation_steps * (int(args.num_train_epochs) * len(sampler.lengths) + 1)
             budget_loader = SizedBudgetLoader(loader, sampler, bound=bound, **options)
         self._run = run_length(budget_loader, args, self.max_tokens, self._resume)
+        if self._run.resumed and self._run.max_steps <= self._run.first_step:
+            # Resumed where the run ended. Trainer counts the epochs trained as global_step // (its loader's
+            # length / accumulation) and, with the bound, would start an epoch and train one step past the
+            # end. One group per epoch makes it count every epoch as trained: nothing runs, as in Trainer.
+            budget_loader = SizedBudgetLoader(
+                loader, sampler, bound=args.gradient_accumulation_steps, **options
+            )
+            self._run.loader = budget_loader
         return budget_loader
 
     def _stream_loader(self, dataset: Any) -> StreamLoader:
