@@ -395,6 +395,31 @@ def test_settings_it_cannot_honour_are_refused(
         trainer.train(resume_from_checkpoint=str(tmp_path / "checkpoint-1"))
 
 
+def test_by_default_a_text_over_the_budget_stops_training_with_the_samplers_error(
+    emotion_data_dir: Path, minilm_tokenizer: Any, tmp_path: Path
+) -> None:
+    """max_tokens mistaken for a batch size (20 on 200 texts): the sampler's clear error, before any step."""
+    from transformers import TrainingArguments
+
+    from tokenbatch import OversizeSampleError
+    from tokenbatch.integrations.transformers import TokenBudgetTrainer
+
+    args = TrainingArguments(str(tmp_path), report_to=[], use_cpu=True, disable_tqdm=True, save_strategy="no")
+    model = tc.tiny_model(len(minilm_tokenizer), 200)
+    trainer = TokenBudgetTrainer(  # no oversize=: the default
+        model=model,
+        args=args,
+        train_dataset=tc.tokenized(emotion_data_dir, minilm_tokenizer, count=200),
+        processing_class=minilm_tokenizer,
+        max_tokens=20,
+    )
+    before = tc.flat_params(model).clone()
+    with pytest.raises(OversizeSampleError, match=r"more than the budget max_tokens=20 .*raise max_tokens"):
+        trainer.train()
+    assert trainer.state.global_step == 0
+    assert torch.equal(tc.flat_params(model), before)
+
+
 @pytest.fixture(scope="module")
 def ddp_runs(
     accelerate_launch: Any, tmp_path_factory: pytest.TempPathFactory, emotion_data_dir: Path
