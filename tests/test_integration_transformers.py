@@ -318,6 +318,24 @@ def test_evaluation_and_prediction_use_the_eval_budget(
     assert math.isclose(metrics["eval_loss"], output.metrics["test_loss"], rel_tol=1e-5)
 
 
+def test_steps_per_second_count_the_evaluation_batches(
+    emotion_data_dir: Path, minilm_tokenizer: Any, tmp_path: Path
+) -> None:
+    """200 examples under eval_max_tokens=16384 are 1 batch, not 200 / per_device_eval_batch_size."""
+    trainer = tc.make_trainer(emotion_data_dir, minilm_tokenizer, tmp_path, eval_max_tokens=16384)
+    dataset = tc.tokenized(emotion_data_dir, minilm_tokenizer, "validation", 200).remove_columns("idx")
+    meter = inject_oom(trainer.model, 1e12)  # counts the forward passes: one per batch
+    logged = tc.recorder(trainer)
+    trainer.add_callback(logged)
+    metrics = trainer.evaluate(dataset)
+    predicted = trainer.predict(dataset).metrics
+
+    assert meter.calls == 2
+    for values, prefix in ((metrics, "eval"), (logged.logs[-1], "eval"), (predicted, "test")):
+        steps = values[f"{prefix}_runtime"] * values[f"{prefix}_steps_per_second"]
+        assert steps == pytest.approx(1, rel=0.05), (prefix, values)  # rounded by Trainer to 4 and 3 places
+
+
 def direct_eval_loss(model: Any, dataset: Any) -> float:
     """The mean cross-entropy over the examples, one forward each: what one big batch would report."""
     model = model.eval()

@@ -82,6 +82,7 @@ try:
         gather_rows,
         inverse_order,
         rank_local_loss,
+        real_steps_per_second,
         reorder,
     )
     from tokenbatch.integrations.transformers._feed import (
@@ -246,6 +247,7 @@ class TokenBudgetTrainer(Trainer):
         )  # what evaluation_loop's log tells of an evaluation loader
         self._eval_guard: EvalGuard | None = None
         self._eval_loss: EvalLoss | None = None
+        self._eval_steps: tuple[str, int] | None = None  # the last evaluation's prefix and batches
         self._lr_step = StepScaling(lr_scaling, lr_scaling_by, lr_reference, sampler=lambda: self._sampler)
         super().__init__(*args, **kwargs)
         sharded = bool(self.is_deepspeed_enabled or self.is_fsdp_enabled)
@@ -574,6 +576,8 @@ class TokenBudgetTrainer(Trainer):
                 **self._lr_step.pop_logs(),
             }
             run.samples_since_log, run.logged_step = 0, self.state.global_step
+        if self._eval_steps is not None:  # evaluate() logs its metrics, then returns this very dict
+            real_steps_per_second(logs, *self._eval_steps)
         super().log(logs, start_time)
 
     def _checkpoint_state(self) -> dict[str, Any] | None:
@@ -620,6 +624,8 @@ class TokenBudgetTrainer(Trainer):
                 )
         finally:
             self.gather_function, self._eval_loss = saved, None
+        # Trainer's <prefix>_steps_per_second counts ceil(examples / per_device_eval_batch_size) steps.
+        self._eval_steps = (metric_key_prefix, losses.steps)
         mean = losses.mean(self.accelerator, finite_only=self.args.logging_nan_inf_filter)
         if mean is not None and output.metrics is not None and f"{metric_key_prefix}_loss" in output.metrics:
             output.metrics[f"{metric_key_prefix}_loss"] = mean
@@ -641,8 +647,10 @@ class TokenBudgetTrainer(Trainer):
         items = labelled_items(self, inputs)
         guard = None if self.oom_mode is None else self._guard_for_eval()
         output = predict(inputs) if guard is None else guard.evaluate(inputs, predict)
-        if self._eval_loss is not None and output[0] is not None:
-            self._eval_loss.add(output[0], items)
+        if self._eval_loss is not None:
+            self._eval_loss.steps += 1
+            if output[0] is not None:
+                self._eval_loss.add(output[0], items)
         return output
 
     def _guard_for_eval(self) -> EvalGuard:
@@ -662,6 +670,8 @@ class TokenBudgetTrainer(Trainer):
         """``Trainer.predict``, with predictions and labels put back in dataset order."""
         self._test_order = None
         output = super().predict(test_dataset, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix)
+        if self._eval_steps is not None and output.metrics is not None:
+            real_steps_per_second(output.metrics, *self._eval_steps)
         order, self._test_order = self._test_order, None
         if order is None:
             return output
