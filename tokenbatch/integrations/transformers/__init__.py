@@ -67,13 +67,15 @@ try:
             f"transformers {transformers.__version__} is installed: pip install 'tokenbatch[transformers]'"
         )
     from transformers import Trainer
-    from transformers.trainer_utils import EvalLoopOutput, PredictionOutput, TrainOutput, get_last_checkpoint
+    from transformers.trainer_utils import EvalLoopOutput, PredictionOutput, TrainOutput
 
     from tokenbatch.integrations import _upstream
     from tokenbatch.integrations.transformers import _schedule
     from tokenbatch.integrations.transformers._checkpoint import (
+        STATE_FILE,
         CheckpointWriter,
         checkpoint_state,
+        last_checkpoint,
         read_state,
         sampler_resumes,
     )
@@ -93,6 +95,7 @@ try:
     )
     from tokenbatch.integrations.transformers._logs import evaluation_rules, rewritten, training_rules
     from tokenbatch.integrations.transformers._lr import StepScaling
+    from tokenbatch.integrations.transformers._preempt import Preemption, wanted
     from tokenbatch.integrations.transformers._schedule import (
         Run,
         RunProgress,
@@ -115,7 +118,7 @@ except ImportError as error:  # pragma: no cover - the extra is not installed, o
         "pip install 'tokenbatch[transformers]'"
     ) from error
 
-__all__ = ["TokenBudgetTrainer"]
+__all__ = ["TokenBudgetTrainer", "last_checkpoint"]
 
 logger = logging.getLogger(__name__)
 
@@ -256,7 +259,9 @@ class TokenBudgetTrainer(Trainer):
             deepspeed=bool(self.is_deepspeed_enabled), stream=_is_iterable(self.train_dataset)
         )
         # First: every other callback (the progress bar, the user's) sees the run's true counts.
-        progress = (CheckpointWriter(self._checkpoint_state), RunProgress(lambda: self._run))
+        progress: tuple[Any, ...] = (CheckpointWriter(self._checkpoint_state), RunProgress(lambda: self._run))
+        if wanted(self.args):  # SIGTERM: a checkpoint at the next step on every rank, in Trainer's way
+            progress = (*progress, Preemption())
         for callback in (*progress, self._lr_step):  # the rate in force, to callbacks' on_pre_optimizer_step
             self.callback_handler.callbacks.insert(0, callback)
 
@@ -291,9 +296,14 @@ class TokenBudgetTrainer(Trainer):
         """``Trainer.train``; a checkpoint to resume from must have been saved by TokenBudgetTrainer."""
         self._fallback = self._resume = self._run = None
         checkpoint: Any = resume_from_checkpoint
-        if checkpoint is True:
-            # None: Trainer raises its own error below
-            checkpoint = get_last_checkpoint(self.args.output_dir)  # type: ignore[no-untyped-call]
+        if checkpoint is True:  # the newest complete checkpoint (Trainer's choice may be half-written)
+            checkpoint = last_checkpoint(str(self.args.output_dir))
+            if checkpoint is None:
+                raise ValueError(
+                    f"No valid checkpoint found in output directory ({self.args.output_dir}): none holds "
+                    f"{STATE_FILE}, which TokenBudgetTrainer writes once a checkpoint is complete"
+                )
+            resume_from_checkpoint = checkpoint
         if isinstance(checkpoint, str | os.PathLike):
             self._resume = read_state(os.fspath(checkpoint), self.oom_mode)
             if self.args.ignore_data_skip:
