@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from tokenbatch import TokenBudgetBatchSampler, column_lengths
+from tokenbatch.integrations.transformers import last_checkpoint
 from tokenbatch.testing import inject_oom
 
 REPO = Path(__file__).resolve().parents[1]
@@ -215,7 +216,11 @@ def test_a_finished_run_resumed_trains_nothing(
     resumed = tc.make_trainer(
         emotion_data_dir, minilm_tokenizer, out, oom_mode=mode, accumulation=accumulation
     )
-    # halve: resume_from_checkpoint=True in the same output_dir (a job run again), which finds it
+    if mode == "halve":  # resume_from_checkpoint=True in the same output_dir (a job run again)
+        # A newer checkpoint whose saving was cut short (a process killed): True takes the newest complete.
+        (out / "checkpoint-999").mkdir(exist_ok=True)
+        (out / "checkpoint-999" / "config.json").write_text("{}")
+        assert last_checkpoint(out) == str(last)
     resumed.train(resume_from_checkpoint=True if mode == "halve" else str(last))
 
     assert resumed.recorder.steps == []
@@ -409,8 +414,11 @@ def test_settings_it_cannot_honour_are_refused(
     with pytest.raises(KeyError, match="Tokenize it first"):
         trainer.get_train_dataloader()
     (tmp_path / "checkpoint-1").mkdir()
-    with pytest.raises(ValueError, match="not saved by TokenBudgetTrainer"):
+    with pytest.raises(ValueError, match="not saved by TokenBudgetTrainer, or its saving was cut short"):
         trainer.train(resume_from_checkpoint=str(tmp_path / "checkpoint-1"))
+    assert last_checkpoint(tmp_path) is None
+    with pytest.raises(ValueError, match="No valid checkpoint found in output directory"):
+        trainer.train(resume_from_checkpoint=True)  # checkpoint-1 is not complete
 
 
 def test_by_default_a_text_over_the_budget_stops_training_with_the_samplers_error(

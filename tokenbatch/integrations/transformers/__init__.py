@@ -25,7 +25,10 @@ what ``get_train_dataloader`` returns, a group of
 - ``StepScaling`` (``_lr.py``, a callback, inert unless ``lr_scaling``) scales
   each optimizer step's rate by what trained in it;
 - ``CheckpointWriter`` (``_checkpoint.py``, a callback) adds the sampler's
-  position and the guard's state to every checkpoint.
+  position and the guard's state to every checkpoint, last (what
+  ``last_checkpoint`` looks for);
+- ``Preemption`` (``_preempt.py``, a callback, with ``enable_jit_checkpoint``)
+  turns a SIGTERM into a checkpoint at the next step on every rank.
 
 No Trainer method with a leading underscore is overridden; what is read of
 Trainer's private API lives in :mod:`tokenbatch.integrations._upstream`.

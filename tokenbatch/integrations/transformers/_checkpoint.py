@@ -85,8 +85,9 @@ def read_state(checkpoint: str, oom_mode: str | None) -> dict[str, Any]:
     if not os.path.isfile(path):
         raise ValueError(
             f"resume_from_checkpoint={checkpoint!r} has no {STATE_FILE}: it was not saved by "
-            f"TokenBudgetTrainer, so the sample to resume at and the token budget are unknown; resume "
-            f"from a checkpoint TokenBudgetTrainer saved, or start afresh"
+            f"TokenBudgetTrainer, or its saving was cut short (a process killed), so the sample to resume "
+            f"at and the token budget are unknown; resume from last_checkpoint(output_dir), the newest "
+            f"complete one (tokenbatch.integrations.transformers), or start afresh"
         )
     with open(path) as handle:
         state: dict[str, Any] = json.load(handle)
