@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from tokenbatch import TokenBudgetBatchSampler, column_lengths
+from tokenbatch.integrations.transformers import last_checkpoint
 from tokenbatch.testing import inject_oom
 
 REPO = Path(__file__).resolve().parents[1]
@@ -71,9 +72,9 @@ def first_plan_cost(trainer: Any, step: int) -> float:
 
 @pytest.fixture(scope="module")
 def split_run(tmp_path_factory: pytest.TempPathFactory, emotion_data_dir: Path, minilm_tokenizer: Any) -> Any:
-    """oom_mode="split", OOM in the forward of batches over OOM_LIMIT padded tokens; a checkpoint kept."""
+    """oom_mode="split", OOM in the forward of batches over OOM_LIMIT padded tokens; checkpoints kept."""
     trainer = tc.make_trainer(emotion_data_dir, minilm_tokenizer, tmp_path_factory.mktemp("split"))
-    trainer.add_callback(tc.save_at(steps=(2,)))
+    trainer.add_callback(tc.save_at(steps=(2,), epochs=(1,)))
     trainer.injector = inject_oom(trainer.model, tc.OOM_LIMIT, where="forward")
     trainer.train()
     trainer.injector.remove()
@@ -140,7 +141,7 @@ def halve_run(tmp_path_factory: pytest.TempPathFactory, emotion_data_dir: Path, 
     """oom_mode="halve", accumulation 2, OOM in the forward of a group's 2nd batch; checkpoints kept."""
     out = tmp_path_factory.mktemp("halve")
     trainer = tc.make_trainer(emotion_data_dir, minilm_tokenizer, out, oom_mode="halve", accumulation=2)
-    trainer.add_callback(tc.save_at(steps=(3,), epochs=(0,)))
+    trainer.add_callback(tc.save_at(steps=(3,), epochs=(0, 1)))
     failure = tc.CallOOM(trainer.model, {2}, where="forward")
     trainer.train()
     failure.remove()
@@ -199,6 +200,31 @@ def test_resume_continues_at_the_same_sample_with_the_same_budget(
     expected = [s for s in original.recorder.steps if s["global_step"] >= start]
     assert resumed.recorder.steps == expected  # same samples, budget, learning rate, run length
     assert resumed.oom_events == original.oom_events
+    assert torch.equal(tc.flat_params(resumed.model), tc.flat_params(original.model))
+
+
+@pytest.mark.parametrize("mode", ["split", "halve"])
+def test_a_finished_run_resumed_trains_nothing(
+    request: pytest.FixtureRequest, emotion_data_dir: Path, minilm_tokenizer: Any, mode: str
+) -> None:
+    """Resumed from its last checkpoint (global_step == max_steps), a run ends at once, as Trainer's does."""
+    original = request.getfixturevalue(f"{mode}_run")
+    out = Path(original.args.output_dir)
+    last = out / f"checkpoint-{original.state.global_step}"  # saved at the end of the last epoch
+    assert (last / "tokenbatch_state.json").is_file()
+    accumulation = original.args.gradient_accumulation_steps
+    resumed = tc.make_trainer(
+        emotion_data_dir, minilm_tokenizer, out, oom_mode=mode, accumulation=accumulation
+    )
+    if mode == "halve":  # resume_from_checkpoint=True in the same output_dir (a job run again)
+        # A newer checkpoint whose saving was cut short (a process killed): True takes the newest complete.
+        (out / "checkpoint-999").mkdir(exist_ok=True)
+        (out / "checkpoint-999" / "config.json").write_text("{}")
+        assert last_checkpoint(out) == str(last)
+    resumed.train(resume_from_checkpoint=True if mode == "halve" else str(last))
+
+    assert resumed.recorder.steps == []
+    assert resumed.state.global_step == resumed.state.max_steps == original.state.global_step
     assert torch.equal(tc.flat_params(resumed.model), tc.flat_params(original.model))
 
 
@@ -297,6 +323,24 @@ def test_evaluation_and_prediction_use_the_eval_budget(
     assert math.isclose(metrics["eval_loss"], output.metrics["test_loss"], rel_tol=1e-5)
 
 
+def test_steps_per_second_count_the_evaluation_batches(
+    emotion_data_dir: Path, minilm_tokenizer: Any, tmp_path: Path
+) -> None:
+    """200 examples under eval_max_tokens=16384 are 1 batch, not 200 / per_device_eval_batch_size."""
+    trainer = tc.make_trainer(emotion_data_dir, minilm_tokenizer, tmp_path, eval_max_tokens=16384)
+    dataset = tc.tokenized(emotion_data_dir, minilm_tokenizer, "validation", 200).remove_columns("idx")
+    meter = inject_oom(trainer.model, 1e12)  # counts the forward passes: one per batch
+    logged = tc.recorder(trainer)
+    trainer.add_callback(logged)
+    metrics = trainer.evaluate(dataset)
+    predicted = trainer.predict(dataset).metrics
+
+    assert meter.calls == 2
+    for values, prefix in ((metrics, "eval"), (logged.logs[-1], "eval"), (predicted, "test")):
+        steps = values[f"{prefix}_runtime"] * values[f"{prefix}_steps_per_second"]
+        assert steps == pytest.approx(1, rel=0.05), (prefix, values)  # rounded by Trainer to 4 and 3 places
+
+
 def direct_eval_loss(model: Any, dataset: Any) -> float:
     """The mean cross-entropy over the examples, one forward each: what one big batch would report."""
     model = model.eval()
@@ -370,8 +414,36 @@ def test_settings_it_cannot_honour_are_refused(
     with pytest.raises(KeyError, match="Tokenize it first"):
         trainer.get_train_dataloader()
     (tmp_path / "checkpoint-1").mkdir()
-    with pytest.raises(ValueError, match="not saved by TokenBudgetTrainer"):
+    with pytest.raises(ValueError, match="not saved by TokenBudgetTrainer, or its saving was cut short"):
         trainer.train(resume_from_checkpoint=str(tmp_path / "checkpoint-1"))
+    assert last_checkpoint(tmp_path) is None
+    with pytest.raises(ValueError, match="No valid checkpoint found in output directory"):
+        trainer.train(resume_from_checkpoint=True)  # checkpoint-1 is not complete
+
+
+def test_by_default_a_text_over_the_budget_stops_training_with_the_samplers_error(
+    emotion_data_dir: Path, minilm_tokenizer: Any, tmp_path: Path
+) -> None:
+    """max_tokens mistaken for a batch size (20 on 200 texts): the sampler's clear error, before any step."""
+    from transformers import TrainingArguments
+
+    from tokenbatch import OversizeSampleError
+    from tokenbatch.integrations.transformers import TokenBudgetTrainer
+
+    args = TrainingArguments(str(tmp_path), report_to=[], use_cpu=True, disable_tqdm=True, save_strategy="no")
+    model = tc.tiny_model(len(minilm_tokenizer), 200)
+    trainer = TokenBudgetTrainer(  # no oversize=: the default
+        model=model,
+        args=args,
+        train_dataset=tc.tokenized(emotion_data_dir, minilm_tokenizer, count=200),
+        processing_class=minilm_tokenizer,
+        max_tokens=20,
+    )
+    before = tc.flat_params(model).clone()
+    with pytest.raises(OversizeSampleError, match=r"more than the budget max_tokens=20 .*raise max_tokens"):
+        trainer.train()
+    assert trainer.state.global_step == 0
+    assert torch.equal(tc.flat_params(model), before)
 
 
 @pytest.fixture(scope="module")

@@ -25,7 +25,10 @@ what ``get_train_dataloader`` returns, a group of
 - ``StepScaling`` (``_lr.py``, a callback, inert unless ``lr_scaling``) scales
   each optimizer step's rate by what trained in it;
 - ``CheckpointWriter`` (``_checkpoint.py``, a callback) adds the sampler's
-  position and the guard's state to every checkpoint.
+  position and the guard's state to every checkpoint, last (what
+  ``last_checkpoint`` looks for);
+- ``Preemption`` (``_preempt.py``, a callback, with ``enable_jit_checkpoint``)
+  turns a SIGTERM into a checkpoint at the next step on every rank.
 
 No Trainer method with a leading underscore is overridden; what is read of
 Trainer's private API lives in :mod:`tokenbatch.integrations._upstream`.
@@ -67,13 +70,15 @@ try:
             f"transformers {transformers.__version__} is installed: pip install 'tokenbatch[transformers]'"
         )
     from transformers import Trainer
-    from transformers.trainer_utils import EvalLoopOutput, PredictionOutput, TrainOutput, get_last_checkpoint
+    from transformers.trainer_utils import EvalLoopOutput, PredictionOutput, TrainOutput
 
     from tokenbatch.integrations import _upstream
     from tokenbatch.integrations.transformers import _schedule
     from tokenbatch.integrations.transformers._checkpoint import (
+        STATE_FILE,
         CheckpointWriter,
         checkpoint_state,
+        last_checkpoint,
         read_state,
         sampler_resumes,
     )
@@ -82,6 +87,7 @@ try:
         gather_rows,
         inverse_order,
         rank_local_loss,
+        real_steps_per_second,
         reorder,
     )
     from tokenbatch.integrations.transformers._feed import (
@@ -92,6 +98,7 @@ try:
     )
     from tokenbatch.integrations.transformers._logs import evaluation_rules, rewritten, training_rules
     from tokenbatch.integrations.transformers._lr import StepScaling
+    from tokenbatch.integrations.transformers._preempt import Preemption, wanted
     from tokenbatch.integrations.transformers._schedule import (
         Run,
         RunProgress,
@@ -114,7 +121,7 @@ except ImportError as error:  # pragma: no cover - the extra is not installed, o
         "pip install 'tokenbatch[transformers]'"
     ) from error
 
-__all__ = ["TokenBudgetTrainer"]
+__all__ = ["TokenBudgetTrainer", "last_checkpoint"]
 
 logger = logging.getLogger(__name__)
 
@@ -246,6 +253,7 @@ class TokenBudgetTrainer(Trainer):
         )  # what evaluation_loop's log tells of an evaluation loader
         self._eval_guard: EvalGuard | None = None
         self._eval_loss: EvalLoss | None = None
+        self._eval_steps: tuple[str, int] | None = None  # the last evaluation's prefix and batches
         self._lr_step = StepScaling(lr_scaling, lr_scaling_by, lr_reference, sampler=lambda: self._sampler)
         super().__init__(*args, **kwargs)
         sharded = bool(self.is_deepspeed_enabled or self.is_fsdp_enabled)
@@ -254,7 +262,9 @@ class TokenBudgetTrainer(Trainer):
             deepspeed=bool(self.is_deepspeed_enabled), stream=_is_iterable(self.train_dataset)
         )
         # First: every other callback (the progress bar, the user's) sees the run's true counts.
-        progress = (CheckpointWriter(self._checkpoint_state), RunProgress(lambda: self._run))
+        progress: tuple[Any, ...] = (CheckpointWriter(self._checkpoint_state), RunProgress(lambda: self._run))
+        if wanted(self.args):  # SIGTERM: a checkpoint at the next step on every rank, in Trainer's way
+            progress = (*progress, Preemption())
         for callback in (*progress, self._lr_step):  # the rate in force, to callbacks' on_pre_optimizer_step
             self.callback_handler.callbacks.insert(0, callback)
 
@@ -289,9 +299,14 @@ class TokenBudgetTrainer(Trainer):
         """``Trainer.train``; a checkpoint to resume from must have been saved by TokenBudgetTrainer."""
         self._fallback = self._resume = self._run = None
         checkpoint: Any = resume_from_checkpoint
-        if checkpoint is True:
-            # None: Trainer raises its own error below
-            checkpoint = get_last_checkpoint(self.args.output_dir)  # type: ignore[no-untyped-call]
+        if checkpoint is True:  # the newest complete checkpoint (Trainer's choice may be half-written)
+            checkpoint = last_checkpoint(str(self.args.output_dir))
+            if checkpoint is None:
+                raise ValueError(
+                    f"No valid checkpoint found in output directory ({self.args.output_dir}): none holds "
+                    f"{STATE_FILE}, which TokenBudgetTrainer writes once a checkpoint is complete"
+                )
+            resume_from_checkpoint = checkpoint
         if isinstance(checkpoint, str | os.PathLike):
             self._resume = read_state(os.fspath(checkpoint), self.oom_mode)
             if self.args.ignore_data_skip:
@@ -367,6 +382,14 @@ class TokenBudgetTrainer(Trainer):
             bound = args.gradient_accumulation_steps * (int(args.num_train_epochs) * len(sampler.lengths) + 1)
             budget_loader = SizedBudgetLoader(loader, sampler, bound=bound, **options)
         self._run = run_length(budget_loader, args, self.max_tokens, self._resume)
+        if self._run.resumed and self._run.max_steps <= self._run.first_step:
+            # Resumed where the run ended. Trainer counts the epochs trained as global_step // (its loader's
+            # length / accumulation) and, with the bound, would start an epoch and train one step past the
+            # end. One group per epoch makes it count every epoch as trained: nothing runs, as in Trainer.
+            budget_loader = SizedBudgetLoader(
+                loader, sampler, bound=args.gradient_accumulation_steps, **options
+            )
+            self._run.loader = budget_loader
         return budget_loader
 
     def _stream_loader(self, dataset: Any) -> StreamLoader:
@@ -566,6 +589,8 @@ class TokenBudgetTrainer(Trainer):
                 **self._lr_step.pop_logs(),
             }
             run.samples_since_log, run.logged_step = 0, self.state.global_step
+        if self._eval_steps is not None:  # evaluate() logs its metrics, then returns this very dict
+            real_steps_per_second(logs, *self._eval_steps)
         super().log(logs, start_time)
 
     def _checkpoint_state(self) -> dict[str, Any] | None:
@@ -612,6 +637,8 @@ class TokenBudgetTrainer(Trainer):
                 )
         finally:
             self.gather_function, self._eval_loss = saved, None
+        # Trainer's <prefix>_steps_per_second counts ceil(examples / per_device_eval_batch_size) steps.
+        self._eval_steps = (metric_key_prefix, losses.steps)
         mean = losses.mean(self.accelerator, finite_only=self.args.logging_nan_inf_filter)
         if mean is not None and output.metrics is not None and f"{metric_key_prefix}_loss" in output.metrics:
             output.metrics[f"{metric_key_prefix}_loss"] = mean
@@ -633,8 +660,10 @@ class TokenBudgetTrainer(Trainer):
         items = labelled_items(self, inputs)
         guard = None if self.oom_mode is None else self._guard_for_eval()
         output = predict(inputs) if guard is None else guard.evaluate(inputs, predict)
-        if self._eval_loss is not None and output[0] is not None:
-            self._eval_loss.add(output[0], items)
+        if self._eval_loss is not None:
+            self._eval_loss.steps += 1
+            if output[0] is not None:
+                self._eval_loss.add(output[0], items)
         return output
 
     def _guard_for_eval(self) -> EvalGuard:
@@ -654,6 +683,8 @@ class TokenBudgetTrainer(Trainer):
         """``Trainer.predict``, with predictions and labels put back in dataset order."""
         self._test_order = None
         output = super().predict(test_dataset, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix)
+        if self._eval_steps is not None and output.metrics is not None:
+            real_steps_per_second(output.metrics, *self._eval_steps)
         order, self._test_order = self._test_order, None
         if order is None:
             return output

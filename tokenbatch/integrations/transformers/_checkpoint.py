@@ -6,6 +6,14 @@ checkpoint folder Trainer saves (``on_save``; on transformers 5 also
 Hub). Resuming reads it back (:func:`read_state`), and :func:`sampler_resumes`
 stops Trainer from skipping batches itself: the sampler resumes at the next
 sample on its own.
+
+Trainer writes a checkpoint in place, file after file, and
+``transformers.trainer_utils.get_last_checkpoint`` returns the newest
+``checkpoint-N`` folder however far its writing got: a process killed while
+saving leaves one that cannot be resumed, or only wrongly. :data:`STATE_FILE`
+is written last, once every process has saved its part, and whole (a
+temporary file renamed), so a folder that has it is complete:
+:func:`last_checkpoint` is the newest such folder.
 """
 
 from __future__ import annotations
@@ -14,13 +22,16 @@ import contextlib
 import glob
 import json
 import os
+import re
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import torch.distributed as dist
 from transformers import TrainerCallback
 from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
+from tokenbatch import _distributed as distributed
 from tokenbatch.oom import OOMFallback
 from tokenbatch.sampler import TokenBudgetBatchSampler
 from tokenbatch.stream import TokenBudgetStream
@@ -30,10 +41,37 @@ VERSION = 1
 
 
 def write_state(folder: str, state: dict[str, Any]) -> None:
-    """Write ``state`` into the checkpoint ``folder``."""
+    """Write ``state`` into the checkpoint ``folder``, whole or not at all (it marks the folder complete)."""
     os.makedirs(folder, exist_ok=True)
-    with open(os.path.join(folder, STATE_FILE), "w") as handle:
+    path = os.path.join(folder, STATE_FILE)
+    with open(f"{path}.tmp", "w") as handle:
         json.dump({"version": VERSION, **state}, handle, indent=1)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(f"{path}.tmp", path)
+
+
+def last_checkpoint(output_dir: str | os.PathLike[str]) -> str | None:
+    """The newest checkpoint in ``output_dir`` that TokenBudgetTrainer finished saving; None if there is none.
+
+    Use it where ``transformers.trainer_utils.get_last_checkpoint`` would be
+    used: that one also returns a folder whose saving was cut short (a process
+    killed, a node lost). A complete folder holds :data:`STATE_FILE`.
+
+    Example:
+        >>> last_checkpoint("no-such-dir") is None
+        True
+    """
+    folder = os.fspath(output_dir)
+    if not os.path.isdir(folder):
+        return None
+    pattern = re.compile(rf"{re.escape(PREFIX_CHECKPOINT_DIR)}-(\d+)")
+    complete = [
+        (int(match[1]), name)
+        for name in os.listdir(folder)
+        if (match := pattern.fullmatch(name)) and os.path.isfile(os.path.join(folder, name, STATE_FILE))
+    ]
+    return os.path.join(folder, max(complete)[1]) if complete else None
 
 
 def read_state(checkpoint: str, oom_mode: str | None) -> dict[str, Any]:
@@ -47,8 +85,9 @@ def read_state(checkpoint: str, oom_mode: str | None) -> dict[str, Any]:
     if not os.path.isfile(path):
         raise ValueError(
             f"resume_from_checkpoint={checkpoint!r} has no {STATE_FILE}: it was not saved by "
-            f"TokenBudgetTrainer, so the sample to resume at and the token budget are unknown; resume "
-            f"from a checkpoint TokenBudgetTrainer saved, or start afresh"
+            f"TokenBudgetTrainer, or its saving was cut short (a process killed), so the sample to resume "
+            f"at and the token budget are unknown; resume from last_checkpoint(output_dir), the newest "
+            f"complete one (tokenbatch.integrations.transformers), or start afresh"
         )
     with open(path) as handle:
         state: dict[str, Any] = json.load(handle)
@@ -121,6 +160,8 @@ class CheckpointWriter(TrainerCallback):
         self.state = state
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if distributed.is_initialized():  # every process has saved its part (its RNG state, its shard)
+            dist.barrier()
         self._write(args, state)
 
     def on_push_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:

@@ -72,6 +72,8 @@ class EvalLoss:
     def __init__(self, device: torch.device | str) -> None:
         # Weighted sum and weight over finite losses, then over all losses (Trainer filters NaN and inf).
         self.sums = torch.zeros(4, dtype=torch.float64, device=device)
+        self.steps = 0
+        """Batches evaluated on this rank (every rank evaluates as many)."""
 
     def add(self, loss: torch.Tensor, weight: float) -> None:
         value = loss.detach().double().reshape(())
@@ -92,6 +94,17 @@ class EvalLoss:
         if finite_only and finite_weight > 0:
             return float(finite_sum / finite_weight)
         return float(total / weight) if weight > 0 else None
+
+
+def real_steps_per_second(metrics: dict[str, float], prefix: str, steps: int) -> None:
+    """Make ``metrics``' ``<prefix>_steps_per_second`` (in place) the ``steps`` evaluated per second.
+
+    Trainer counts ``ceil(examples / (per_device_eval_batch_size x processes))`` steps, which does not
+    batch here. Its runtime stays as it measured it.
+    """
+    runtime = metrics.get(f"{prefix}_runtime")
+    if f"{prefix}_steps_per_second" in metrics and runtime:
+        metrics[f"{prefix}_steps_per_second"] = round(steps / runtime, 3)
 
 
 @contextlib.contextmanager
