@@ -166,6 +166,52 @@ def test_a_cache_file_is_used_when_its_cost_is_the_samplers(tiny: Any, tmp_path:
     assert result.source == "estimate" and result.max_tokens != 999
 
 
+def cpu_key(model: Any) -> BudgetKey:
+    key = BudgetKey.for_device(model_name(model), device="cpu", world_size=1)
+    return BudgetKey(key.model, key.device, LIMIT, key.dtype, 1)
+
+
+def test_a_cached_budget_far_above_the_estimate_is_not_trusted(
+    tiny: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # 1e30 was used without a word: one batch of every sample.
+    path, key = tmp_path / "budgets.json", cpu_key(tiny)
+    path.write_text(json.dumps({str(key): {"max_tokens": 1e30, "source": "oom"}}))
+    sampler = TokenBudgetBatchSampler(LENGTHS, max_tokens="auto")
+    result = auto_budget(tiny, sampler, memory_limit=LIMIT)
+    assert result.source == "probe" and result.estimate is not None
+    assert sampler.max_tokens == result.max_tokens and 0.7 < result.max_tokens / result.estimate < 1.3
+    assert len(sampler) > 1  # not one batch of every sample
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert str(path) in warning and str(key) in warning
+    assert "max_tokens=1e+30" in warning and "more than 4x the config's estimate" in warning
+    assert BudgetCache(path).get(key)["max_tokens"] == result.max_tokens  # the probe's replaces it
+
+
+def test_a_cached_budget_below_one_sample_is_not_trusted(
+    tiny: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # 1e-3 stopped the run with OversizeSampleError, without a word of the cache.
+    path, key = tmp_path / "budgets.json", cpu_key(tiny)
+    path.write_text(json.dumps({str(key): {"max_tokens": 1e-3, "source": "oom"}}))
+    sampler = TokenBudgetBatchSampler(LENGTHS, max_tokens="auto")
+    result = auto_budget(tiny, sampler, memory_limit=LIMIT, measure=False)
+    assert (result.source, sampler.max_tokens) == ("estimate", result.estimate)
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert str(path) in warning and str(key) in warning
+    assert "max_tokens=0.001" in warning and f"one sample of the longest length ({max(LENGTHS)})" in warning
+
+
+def test_a_budget_under_one_sample_says_where_it_came_from(tiny: Any) -> None:
+    sampler = TokenBudgetBatchSampler(LENGTHS, max_tokens="auto")
+    with pytest.raises(
+        OversizeSampleError,
+        match=r"raise max_tokens to at least 128.*; max_tokens='auto' gave max_tokens=\S+ from the config's "
+        r"estimate \(.*1.43051MiB.*\): raise memory_limit, or pass max_tokens=<number>",
+    ):
+        auto_budget(tiny, sampler, memory_limit=1_500_000, measure=False)
+
+
 def test_the_probe_resolves_logs_and_is_remembered(
     tiny: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -231,9 +277,21 @@ def test_two_processes_agree_on_one_budget(tmp_path: Path, torchrun: Any) -> Non
     assert mine[1] < 0.9 * mine[0]  # rank 1 probed under a smaller limit
     assert ranks[0]["probe"]["agreed"] == ranks[1]["probe"]["agreed"] == min(mine)
     assert ranks[0]["probe"]["len"] == ranks[1]["probe"]["len"]
-    assert [r["wrote_cache"] for r in ranks] == [True, False]  # the main process remembers
-    # Only rank 0's file remembers a budget: both take it.
-    assert [(r["cache"]["agreed"], r["cache"]["source"]) for r in ranks] == [(1500.0, "cache")] * 2
+    # Rank 0's file remembers its own (larger) budget, rank 1 has none: rank 1 probes, and both take
+    # the smaller, rank 1's (both took rank 0's "from the cache").
+    second = [r["cache_then_probe"] for r in ranks]
+    assert [s["probed"] for s in second] == [False, True]
+    rank1 = second[1]["mine"]
+    assert rank1 < 0.9 * mine[0] and rank1 == pytest.approx(mine[1], rel=0.05)
+    assert [(s["agreed"], s["source"]) for s in second] == [(rank1, "probe")] * 2
+    assert second[0]["len"] == second[1]["len"]
+    assert [s["remembered"] for s in second] == [mine[0], rank1]  # rank 1 remembers what was agreed
+    # Each rank's file remembers the agreed budget under that rank's own key.
+    assert [r["remembered"] for r in ranks] == [min(mine)] * 2
+    # A rank that fails stops every rank, with its reason, rather than leave one waiting.
+    assert ranks[1]["refused"].startswith("ValueError: memory_limit=65,536 bytes")
+    assert ranks[0]["refused"].startswith("RuntimeError: max_tokens='auto': rank 1 could not find its budget")
+    assert ranks[1]["refused"].removeprefix("ValueError: ") in ranks[0]["refused"]
 
 
 # -- the Trainer and the example ------------------------------------------------------------

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from transformers import BertConfig, BertModel
 
+from tokenbatch.probe import BudgetKey
 from tokenbatch.probe._auto import model_name
 
 
@@ -38,3 +39,13 @@ def test_a_named_model_keeps_its_hub_name_or_path() -> None:
     model.config.name_or_path = "org/tiny-bert"
     assert model_name(model) == "org/tiny-bert"
     assert model_name(torch.nn.Linear(3, 2), config=model.config) == "org/tiny-bert"
+
+
+def test_memory_sizes_below_a_gibibyte_get_keys_of_their_own() -> None:
+    # As "0.1GiB" both, 64 MiB and 128 MiB shared one remembered budget (and 40 MiB and 64 KiB "0.0GiB").
+    def key(memory: int) -> str:
+        return str(BudgetKey("tiny", "cpu:x86_64", memory, "float32", 1))
+
+    assert len({key(64 * 2**20), key(128 * 2**20), key(40 * 2**20), key(2**16)}) == 4
+    assert key(8 * 2**30) == "tiny | cpu:x86_64 8.0GiB | float32 | x1"  # a GPU's or a larger limit: as before
+    assert key(128 * 2**20) == "tiny | cpu:x86_64 128MiB | float32 | x1"

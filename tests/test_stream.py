@@ -244,6 +244,30 @@ def test_sources_that_cannot_be_read_again_are_refused(examples: Any, match: str
         TokenBudgetStream(examples, 100)
 
 
+def test_a_generator_is_refused_and_a_function_returning_one_is_read_every_epoch() -> None:
+    # What README and docs/streaming.md promise: a generator is refused with the fix, a function works.
+    def rows() -> Iterator[dict[str, Any]]:
+        yield from ({"i": i, "input_ids": [0] * (1 + i % 7)} for i in range(50))
+
+    with pytest.raises(TypeError, match=r"one-shot iterator of type generator; pass .* a function that"):
+        TokenBudgetStream(rows(), 16)
+    stream = TokenBudgetStream(rows, 16, buffer_size=8)
+    for epoch in range(2):
+        stream.set_epoch(epoch)
+        assert every_index_once([[e["i"] for e in b] for b in stream], 50)
+
+
+@pytest.mark.parametrize("returned", [42, None, {"input_ids": [1]}])
+def test_a_function_that_returns_no_iterator_is_named(returned: Any) -> None:
+    stream = TokenBudgetStream(lambda: returned, 256)
+    with pytest.raises(
+        TypeError,
+        match=r"examples should be a function that returns a new iterator of examples each call, but "
+        r"examples\(\) returned .* of type \w+; return an iterator, e.g. lambda: iter\(rows\)",
+    ):
+        list(stream)
+
+
 @pytest.mark.parametrize(
     ("examples", "error", "match"),
     [
@@ -254,6 +278,17 @@ def test_sources_that_cannot_be_read_again_are_refused(examples: Any, match: str
         ),
         ([{"input_ids": 2}, {"input_ids": 0}], ValueError, r"padded length >= 1 .* position 1 .* length 0"),
         ([{"input_ids": 2.5}], TypeError, r"column of token ids \(anything with a len\(\)\) or of lengths"),
+        (  # a length column that turns into token ids (numpy: "setting an array element with a sequence")
+            [{"input_ids": 3}, {"input_ids": [1, 2]}],
+            TypeError,
+            r"length='input_ids' should name a column of token ids or of integer lengths, not both, but "
+            r"the example at position 0 .* input_ids=3 and the example at position 1 .* input_ids=\[1, 2\]",
+        ),
+        (
+            [{"input_ids": [1, 2]}, {"input_ids": 3}],
+            TypeError,
+            r"not both, but the example at position 0 .* input_ids=\[1, 2\] and the example at position 1",
+        ),
     ],
 )
 def test_bad_lengths_name_the_example(examples: list[Any], error: type, match: str) -> None:

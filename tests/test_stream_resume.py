@@ -224,3 +224,20 @@ def test_a_source_that_changed_is_refused() -> None:
     shorter.load_state_dict(state)
     with pytest.raises(ValueError, match=r"cannot resume: rank 0's part \(worker 0\) ended at position 100"):
         list(shorter)
+
+
+def test_a_shorter_list_is_refused() -> None:
+    # A list resumes by index: one shorter than the saved state gave an IndexError.
+    stream = TokenBudgetStream(EXAMPLES, **SETTINGS)
+    batches = iter(stream)
+    for _ in range(30):
+        next(batches)
+    state = stream.state_dict()
+    shorter = TokenBudgetStream(EXAMPLES[:100], **SETTINGS)
+    shorter.load_state_dict(state)
+    with pytest.raises(
+        ValueError,
+        match=r"cannot resume: rank 0's part \(worker 0\) ended at position 100, but the state says "
+        rf"{state['run']['read']} examples were read; resume with the same examples in the same order",
+    ):
+        list(shorter)

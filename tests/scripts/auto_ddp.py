@@ -1,8 +1,10 @@
 """Launched on 2 processes (torchrun, gloo) by tests/test_probe_auto.py: do the ranks agree on "auto"?
 
 Usage: torchrun --nproc_per_node 2 auto_ddp.py OUT_DIR. Each rank probes under its own
-memory limit (rank 1 less than rank 0) with its own budget cache file, then
-resolves again from a cache only rank 0 holds; writes ``rank{r}.json``.
+memory limit (rank 1 less than rank 0) with its own budget cache file; then rank 0's
+file remembers rank 0's own budget (as after a run of its own) and rank 1's is gone,
+and both resolve again (issue 21: both took rank 0's budget "from the cache"); then
+rank 1 fails while rank 0 has its cache; writes ``rank{r}.json``.
 """
 
 from __future__ import annotations
@@ -21,12 +23,11 @@ from teardown import end_process_group
 from transformers import BertConfig, BertForSequenceClassification
 
 from tokenbatch import TokenBudgetBatchSampler, auto_budget
-from tokenbatch.probe import BudgetCache, BudgetKey
+from tokenbatch.probe import BudgetCache
 from tokenbatch.probe._auto import budget_in_units
 
 LIMITS = (64 * 2**20, 40 * 2**20)
 LENGTHS = [int(n) for n in np.random.default_rng(0).integers(8, 129, 200)]
-KEY = BudgetKey("tiny-ddp", "cpu:test", 1, "float32", 2)
 
 
 def main(out: Path) -> None:
@@ -50,18 +51,42 @@ def main(out: Path) -> None:
     result = auto_budget(model, probed, memory_limit=LIMITS[rank], cache=cache)
     assert result.probe is not None and result.probe.fit is not None
     mine = budget_in_units(result.probe.fit, probed.cost, probed.lengths, LIMITS[rank], 0.1)
-    probed_file = cache.path.exists()
+    entry = cache.get(result.key)
 
-    if rank == 0:
-        cache.put(KEY, 1500.0, source="oom")
     dist.barrier()
-    remembered = TokenBudgetBatchSampler(LENGTHS, max_tokens="auto")
-    from_cache = auto_budget(model, remembered, memory_limit=LIMITS[rank], cache=cache, key=KEY)
+    if rank == 0:
+        cache.put(result.key, mine, source="probe")
+    else:
+        cache.path.unlink(missing_ok=True)
+    dist.barrier()
+    again = TokenBudgetBatchSampler(LENGTHS, max_tokens="auto")
+    second = auto_budget(model, again, memory_limit=LIMITS[rank], cache=cache)
     report = {
         "probe": {"agreed": result.max_tokens, "source": result.source, "mine": mine, "len": len(probed)},
-        "wrote_cache": probed_file,
-        "cache": {"agreed": from_cache.max_tokens, "source": from_cache.source, "len": len(remembered)},
+        "remembered": None if entry is None else entry["max_tokens"],
+        "cache_then_probe": {
+            "agreed": second.max_tokens,
+            "source": second.source,
+            "probed": second.probe is not None,
+            "mine": None
+            if second.probe is None or second.probe.fit is None
+            else budget_in_units(second.probe.fit, again.cost, again.lengths, LIMITS[rank], 0.1),
+            "len": len(again),
+            "remembered": (cache.get(second.key) or {}).get("max_tokens"),
+        },
     }
+    # Rank 1's memory cannot hold the model (its estimate says so at once), rank 0 has its cache:
+    # both stop, neither waits for the other.
+    try:
+        auto_budget(
+            model,
+            TokenBudgetBatchSampler(LENGTHS, max_tokens="auto"),
+            memory_limit=LIMITS[0] if rank == 0 else 2**16,
+            cache=cache,
+            measure=False,
+        )
+    except (RuntimeError, ValueError) as error:
+        report["refused"] = f"{type(error).__name__}: {error}"
     (out / f"rank{rank}.json").write_text(json.dumps(report))
 
 

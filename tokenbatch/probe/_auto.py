@@ -8,6 +8,7 @@ or the example, before the DataLoader is prepared and the guard is made.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import math
@@ -15,7 +16,7 @@ import os
 import re
 import resource
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -23,6 +24,7 @@ import torch
 from tokenbatch import _checks
 from tokenbatch import _distributed as distributed
 from tokenbatch.cost import CostModel
+from tokenbatch.plan import OversizeSampleError
 from tokenbatch.probe._cache import BudgetCache, BudgetKey
 from tokenbatch.probe._measure import LossFn, MakeBatch, batch_maker, held_bytes, model_device
 from tokenbatch.probe._model import MemoryModel, check_margin
@@ -33,6 +35,9 @@ logger = logging.getLogger(__name__)
 
 MEMORY_ENV = "TOKENBATCH_MEMORY_LIMIT"
 """An environment variable with the memory limit for "auto" (bytes, or ``8GiB``, ``512MiB``)."""
+
+SUSPECT_RATIO = 4.0
+"""A cached budget more than this many times the config's estimate is not trusted: the probe runs."""
 
 CPU_NEEDS_LIMIT = (
     "max_tokens='auto' on CPU needs a memory limit: nothing fails on CPU until the operating system kills "
@@ -55,12 +60,14 @@ class AutoBudget:
     max_tokens: float
     """The budget every rank agreed on (the smallest of theirs), in the sampler's cost units."""
     source: str
-    """``"cache"`` (remembered), ``"probe"`` (measured) or ``"estimate"`` (analytic, from the config)."""
+    """Where the agreed budget came from, on the rank that had the smallest: ``"cache"``
+    (remembered), ``"probe"`` (measured) or ``"estimate"`` (analytic, from the config)."""
     key: BudgetKey
     memory_limit: float | None = None
     estimate: float | None = None
-    """The analytic budget from the config, where there is one (also when the probe measured)."""
+    """This rank's analytic budget from the config, where there is one (also when the probe measured)."""
     probe: ProbeResult | None = None
+    """This rank's probe; None where it took its own remembered budget."""
 
     def __str__(self) -> str:
         where = {"cache": "the cache", "probe": "the probe", "estimate": "the config's estimate"}[self.source]
@@ -170,11 +177,6 @@ def _cached(cache: BudgetCache, key: BudgetKey, cost: CostModel) -> float:
     return float(entry["max_tokens"])
 
 
-def _agree(value: float) -> float:
-    """The smallest ``value`` over all ranks (inf where none has one)."""
-    return -distributed.all_reduce_max([-value], device=distributed.collective_device())[0]
-
-
 def auto_budget(
     model: torch.nn.Module,
     sampler: TokenBudgetBatchSampler,
@@ -193,16 +195,22 @@ def auto_budget(
 ) -> AutoBudget:
     """Give ``sampler`` (made with ``max_tokens="auto"``) its budget; call it on every rank.
 
-    In order: the budget remembered for this model and device
-    (:class:`BudgetCache`, :class:`BudgetKey`); else the probe
+    Each rank takes, in order: the budget its cache remembers for this model
+    and device (:class:`BudgetCache`, :class:`BudgetKey`); else its probe
     (:func:`find_max_tokens` on synthetic worst-case batches of the
     sampler's longest sequence, under ``memory_limit``), whose fitted memory
     model is turned into the sampler's cost units; with ``measure=False``, the
-    analytic estimate from the config (:meth:`MemoryModel.from_config`). The
-    ranks agree on the smallest, which the sampler then holds; the main
-    process remembers a probed budget (``remember``; under ``RLIMIT_AS`` the one
-    for the room before the probe, whose own mappings stay in this process
-    only) and logs where it came from.
+    analytic estimate from the config (:meth:`MemoryModel.from_config`). A
+    remembered budget more than ``SUSPECT_RATIO`` (4) times the estimate, or
+    below what one sample the sampler must batch costs (the longest with
+    ``oversize="error"``, else the shortest), is not trusted: a warning names
+    the file and the key, and the rank probes (or estimates) instead. The
+    ranks agree on the smallest of their budgets, which the sampler then
+    holds; each rank that did not take its own remembered budget stores the
+    agreed one under its own key (``remember``; under ``RLIMIT_AS`` the one for
+    the room before the probe, whose own mappings stay in this process only).
+    A rank that fails stops every rank: the others raise a ``RuntimeError``
+    that names it and its error.
 
     Args:
         model: the bare model (not DDP-wrapped), on its training device.
@@ -216,7 +224,8 @@ def auto_budget(
         cache, key: where budgets are remembered (default ``BudgetCache()`` and
             :meth:`BudgetKey.for_device` of :func:`model_name`, the model's dtype
             and, on CPU, the memory limit as set).
-        remember: store a probed budget in ``cache`` for the next run.
+        remember: store the agreed budget in ``cache`` for the next run (where this rank probed
+            or estimated).
         batch: one real collated batch, for a model whose forward needs more than token ids
             (labels, a wrapped encoder): the probe's worst-case batches copy its keys, dtypes and
             per-row fields (see :func:`find_max_tokens`).
@@ -225,6 +234,7 @@ def auto_budget(
     Raises:
         ValueError: no memory limit on CPU; ``measure=False`` without a config;
             or the model alone does not fit (the message says what to pass).
+        RuntimeError: another rank raised one of these.
 
     Example:
         >>> sampler = TokenBudgetBatchSampler(lengths, max_tokens="auto")  # doctest: +SKIP
@@ -252,50 +262,144 @@ def auto_budget(
         key = BudgetKey(key.model, key.device, memory_bytes, key.dtype, key.world_size)
     store = cache if cache is not None else BudgetCache()
     cost, lengths = sampler.cost, sampler.lengths
-    cached = _agree(_cached(store, key, cost))
     estimate = probe = None
-    if math.isfinite(cached):
-        budget, source = cached, "cache"
-    else:
-        if config is not None:
-            analytic = MemoryModel.from_config(
-                config, dtype=dtype, device=device.type, pad_to_multiple_of=cost.pad_to_multiple_of
-            )
-            estimate = budget_in_units(analytic, cost, lengths, limit, margin)
-            logger.info("max_tokens='auto': the config's estimate is %g for %s", estimate, key)
-        elif not measure:
-            raise ValueError(
-                f"auto_budget(measure=False) needs a transformers config for the estimate, but "
-                f"{type(model).__name__} has no .config: pass config=..., measure=True or max_tokens=<number>"
-            )
-        if measure:
-            probe = find_max_tokens(
-                model,
-                lengths=lengths,
-                memory_limit=limit,
-                optimizer=optimizer,
-                cost=cost,
-                margin=margin,
-                make_batch=make_batch,
-                loss_fn=loss_fn,
-            )
-            assert probe.fit is not None  # method="fit" always fits
-            # Under RLIMIT_AS the probe's own one-time mappings (the profiler's, ~150 MiB) stay and
-            # take room from training in this process, not in the next run, which starts from the
-            # cache: remember the budget for the room before the probe, train under the room left.
-            fresh = _agree(budget_in_units(probe.fit, cost, lengths, limit, margin))
-            limit = min(limit, memory_limits(model, memory_limit, optimizer)[0])
-            budget, source = budget_in_units(probe.fit, cost, lengths, limit, margin), "probe"
+    own_entry = False
+    error: Exception | None = None
+    try:
+        # This rank's budget: its own remembered one, else its own probe (or estimate). A rank
+        # without an entry measures even where another rank has one: the ranks' memory can differ.
+        mine = _cached(store, key, cost)
+        if math.isfinite(mine):
+            if config is not None:
+                with contextlib.suppress(AttributeError, TypeError, ValueError):  # a check, not a need
+                    estimate = _estimate(config, dtype, device, cost, lengths, limit, margin)
+            doubt = _suspect(mine, estimate, sampler)
+            if doubt is not None:
+                logger.warning(
+                    "not using the cached max_tokens=%g for %s in the budget cache %s: %s; %s instead",
+                    mine,
+                    key,
+                    store.path,
+                    doubt,
+                    "measuring" if measure else "taking the config's estimate",
+                )
+                mine = math.inf
+        if math.isfinite(mine):
+            budget = fresh = mine
+            source, own_entry = "cache", True
         else:
-            budget, source = float(estimate), "estimate"  # type: ignore[arg-type]
-            fresh = budget
-        budget = _agree(budget)
-        if remember and distributed.rank() == 0:
-            _remember(store, key, max(fresh, budget), source, cost, limit)
-    sampler.resolve(budget)
+            if config is not None and estimate is None:
+                estimate = _estimate(config, dtype, device, cost, lengths, limit, margin)
+            if estimate is not None:
+                logger.info("max_tokens='auto': the config's estimate is %g for %s", estimate, key)
+            elif not measure:
+                raise ValueError(
+                    f"auto_budget(measure=False) needs a transformers config for the estimate, but "
+                    f"{type(model).__name__} has no .config: pass config=..., measure=True or "
+                    f"max_tokens=<number>"
+                )
+            if measure:
+                probe = find_max_tokens(
+                    model,
+                    lengths=lengths,
+                    memory_limit=limit,
+                    optimizer=optimizer,
+                    cost=cost,
+                    margin=margin,
+                    make_batch=make_batch,
+                    loss_fn=loss_fn,
+                )
+                assert probe.fit is not None  # method="fit" always fits
+                # Under RLIMIT_AS the probe's own one-time mappings (the profiler's, ~150 MiB) stay and
+                # take room from training in this process, not in the next run, which starts from the
+                # cache: remember the budget for the room before the probe, train under the room left.
+                fresh = budget_in_units(probe.fit, cost, lengths, limit, margin)
+                limit = min(limit, memory_limits(model, memory_limit, optimizer)[0])
+                budget, source = budget_in_units(probe.fit, cost, lengths, limit, margin), "probe"
+            else:
+                assert estimate is not None
+                budget = fresh = estimate
+                source = "estimate"
+    except Exception as exc:  # told to every rank below, so that none waits for this one
+        error, budget, fresh, source = exc, math.inf, math.inf, "error"
+    budget, fresh, source = _agree(budget, fresh, source, error)
+    if remember and not own_entry:
+        # Under this rank's own key, the budget every rank can run (ranks may share one file and key).
+        _remember(store, key, max(fresh, budget), source, cost, limit)
     result = AutoBudget(budget, source, key, memory_limit=limit, estimate=estimate, probe=probe)
+    try:
+        sampler.resolve(budget)
+    except OversizeSampleError as oversize:
+        raise OversizeSampleError(
+            f"{oversize}; max_tokens='auto' gave {result}: raise memory_limit, or pass max_tokens=<number>"
+        ) from None
     logger.info("max_tokens='auto' resolved to %s", result)
     return result
+
+
+def _estimate(
+    config: Any,
+    dtype: torch.dtype,
+    device: torch.device,
+    cost: CostModel,
+    lengths: np.ndarray,
+    limit: float,
+    margin: float,
+) -> float:
+    """The config's analytic budget in ``cost`` units for this memory."""
+    analytic = MemoryModel.from_config(
+        config, dtype=dtype, device=device.type, pad_to_multiple_of=cost.pad_to_multiple_of
+    )
+    return budget_in_units(analytic, cost, lengths, limit, margin)
+
+
+def _suspect(cached: float, estimate: float | None, sampler: TokenBudgetBatchSampler) -> str | None:
+    """Why a cached budget cannot be this run's, or None.
+
+    Above ``SUSPECT_RATIO`` times the config's estimate for this memory (the
+    estimate is within about 20% of the probe on the models measured), or below
+    what one sample the sampler must batch costs: the longest with
+    ``oversize="error"`` (the sampler would refuse the budget), else the shortest.
+    A budget the guard lowered after an OOM stays between the two.
+    """
+    if estimate is not None and cached > SUSPECT_RATIO * estimate:
+        return (
+            f"it is more than {SUSPECT_RATIO:g}x the config's estimate of {estimate:g} for this model and "
+            f"memory (a cache entry from another setting, or written by hand)"
+        )
+    which = "longest" if sampler.oversize == "error" else "shortest"
+    length = int(sampler.lengths.max() if which == "longest" else sampler.lengths.min())
+    floor = float(sampler.cost.cost(1, length))
+    if cached < floor:
+        return f"it is below what one sample of the {which} length ({length}) costs, {floor:g}"
+    return None
+
+
+def _agree(budget: float, fresh: float, source: str, error: Exception | None) -> tuple[float, float, str]:
+    """The smallest budget over the ranks, where it came from, and the smallest ``fresh``.
+
+    One gather; a rank that failed raises its error, and every other rank
+    raises one that names it, rather than wait for it.
+    """
+    mine = (budget, fresh, source, None if error is None else f"{type(error).__name__}: {error}")
+    ranks = cast("list[tuple[float, float, str, str | None]]", distributed.all_gather_objects(mine))
+    if error is not None:
+        raise error
+    failed = [(r, message) for r, (*_, message) in enumerate(ranks) if message is not None]
+    if failed:
+        where, message = failed[0]
+        raise RuntimeError(f"max_tokens='auto': rank {where} could not find its budget ({message})")
+    smallest = min(range(len(ranks)), key=lambda r: ranks[r][0])
+    if smallest != distributed.rank():
+        logger.info(
+            "max_tokens='auto': rank %d's budget %g (from its %s) is the smallest; this rank's was %g (%s)",
+            smallest,
+            ranks[smallest][0],
+            ranks[smallest][2],
+            budget,
+            source,
+        )
+    return ranks[smallest][0], min(r[1] for r in ranks), ranks[smallest][2]
 
 
 def _remember(

@@ -65,8 +65,11 @@ class BudgetKey:
     world_size: int
 
     def __str__(self) -> str:
+        # The file's key: a tenth of a GiB tells GPUs and large limits apart; below 1 GiB (small CPU
+        # limits) MiB do, where "0.1GiB" named both 64 MiB and 128 MiB.
         gib = self.memory_bytes / 2**30
-        return f"{self.model} | {self.device} {gib:.1f}GiB | {self.dtype} | x{self.world_size}"
+        memory = f"{gib:.1f}GiB" if gib >= 1 else f"{self.memory_bytes / 2**20:g}MiB"
+        return f"{self.model} | {self.device} {memory} | {self.dtype} | x{self.world_size}"
 
     @classmethod
     def for_device(

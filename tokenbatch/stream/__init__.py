@@ -1,10 +1,11 @@
 """Token-budget batches from a stream of examples: :class:`TokenBudgetStream`.
 
 For data whose lengths are not known up front (``datasets`` streaming, a
-generator, webdataset shards). Memory stays O(``buffer_size``): each reader
-(a rank, or a DataLoader worker of it) holds that many examples in length
-order and draws batches from them; on several ranks the readers agree at
-each step, so that every rank yields the same number of batches.
+function that returns a new generator each epoch, webdataset shards).
+Memory stays O(``buffer_size``): each reader (a rank, or a DataLoader
+worker of it) holds that many examples in length order and draws batches
+from them; on several ranks the readers agree at each step, so that every
+rank yields the same number of batches.
 
 Inside the package:
 

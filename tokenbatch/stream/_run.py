@@ -294,6 +294,8 @@ class Run:
         """The examples at ``wanted``, with the part's iterator left at :attr:`read`."""
         source_position, source_state = int(state["source_position"]), state["source_state"]
         if self.part.kind == "sequence":
+            if self.part.size() < self.read:
+                raise self._ended(self.part.size())
             self._iter = self.part.open(self.read)
             return self.part.fetch(wanted)
         iterator = self.part.open(source_position, source_state)
@@ -304,15 +306,18 @@ class Run:
             try:
                 example = next(iterator)
             except StopIteration:
-                raise ValueError(
-                    f"cannot resume: rank {self.reader.rank}'s part (worker {self.reader.worker}) ended at "
-                    f"position {position}, but the state says {self.read} examples were read; resume "
-                    f"with the same examples in the same order"
-                ) from None
+                raise self._ended(position) from None
             if position in keep:
                 found[position] = example
         self._iter = iterator
         return found
+
+    def _ended(self, position: int) -> ValueError:
+        return ValueError(
+            f"cannot resume: rank {self.reader.rank}'s part (worker {self.reader.worker}) ended at "
+            f"position {position}, but the state says {self.read} examples were read; resume "
+            f"with the same examples in the same order"
+        )
 
 
 # -- the default agreement, over torch.distributed ----------------------------------

@@ -132,12 +132,20 @@ class Part:
                     f"a datasets.IterableDataset part needs its saved state to resume at {start}"
                 )
             return iter(self._dataset)
-        source = (
-            self.examples()
-            if callable(self.examples) and not hasattr(self.examples, "__iter__")
-            else self.examples
-        )
+        source = self.examples
+        if callable(source) and not hasattr(source, "__iter__"):
+            source = source()
+            if isinstance(source, (str, bytes, Mapping)) or not hasattr(source, "__iter__"):
+                raise TypeError(
+                    f"examples should be a function that returns a new iterator of examples each call, "
+                    f"but examples() returned {_shown(source)} of type {type(source).__name__}; return "
+                    f"an iterator, e.g. lambda: iter(rows) or lambda: read_examples(path)"
+                )
         return itertools.islice(iter(source), self.offset + self.stride * start, None, self.stride)
+
+    def size(self) -> int:
+        """How many examples a sequence part holds."""
+        return len(range(self.offset, len(self.examples), self.stride))
 
     def snapshot(self) -> Any:
         """The source's own state at the position just read (``datasets.IterableDataset``), else None."""
@@ -182,14 +190,18 @@ def length_reader(length: str | Callable[[Any], int]) -> Callable[[list[Any], in
     """
 
     def check(values: list[Any], chunk: list[Any], first: int) -> np.ndarray:
-        array = np.asarray(values)
+        try:
+            array = np.asarray(values)
+        except ValueError:  # ragged: some values are sequences; named below
+            array = np.empty(0, dtype=object)
         if array.dtype == bool or not np.issubdtype(array.dtype, np.integer) or array.ndim != 1:
             bad = next(
                 (i for i, v in enumerate(values) if isinstance(v, bool) or not isinstance(v, Integral)), 0
             )
             raise TypeError(
                 f"length should give each example's padded length as an integer, but the example at "
-                f"position {first + bad} of this reader's part has length {values[bad]!r}"
+                f"position {first + bad} of this reader's part has length {_shown(values[bad])}; make "
+                f"length= give an int, e.g. lambda example: len(example['input_ids'])"
             )
         if array.size and (array.min() < 1 or array.max() >= 2**31):
             i = int(np.flatnonzero((array < 1) | (array >= 2**31))[0])
@@ -222,10 +234,19 @@ def length_reader(length: str | Callable[[Any], int]) -> Callable[[list[Any], in
                 f"token ids, or a function of the example"
             ) from None
         if isinstance(values[0], Integral):
-            return check(values, chunk, first)
+            try:
+                return check(values, chunk, first)
+            except TypeError:
+                both = mixed(values, first)
+                if both is None:
+                    raise
+                raise both from None
         try:
             return check([len(value) for value in values], chunk, first)
         except TypeError:
+            both = mixed(values, first)
+            if both is not None:
+                raise both from None
             bad = next(i for i, v in enumerate(values) if not hasattr(v, "__len__"))
             raise TypeError(
                 f"length={column!r} should name a column of token ids (anything with a len()) or of "
@@ -233,7 +254,28 @@ def length_reader(length: str | Callable[[Any], int]) -> Callable[[list[Any], in
                 f"{column}={values[bad]!r}"
             ) from None
 
+    def mixed(values: list[Any], first: int) -> TypeError | None:
+        """The error for a column of lengths in some examples and token ids in others, if it is one."""
+        integer = [isinstance(v, Integral) and not isinstance(v, bool) for v in values]
+        sized = [hasattr(v, "__len__") for v in values]
+        if any(integer) and any(sized):
+            a, b = sorted((integer.index(True), sized.index(True)))
+            return TypeError(
+                f"length={column!r} should name a column of token ids or of integer lengths, not both, "
+                f"but the example at position {first + a} of this reader's part has "
+                f"{column}={_shown(values[a])} and the example at position {first + b} has "
+                f"{column}={_shown(values[b])}; pass length= a column of one kind, or a function of "
+                f"the example"
+            )
+        return None
+
     return by_column
+
+
+def _shown(value: Any) -> str:
+    """``repr(value)``, cut short for a long one (a row of token ids)."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _has(example: Any, column: str) -> bool:
