@@ -63,6 +63,8 @@ FUSED_ATTENTION = ("sdpa", "flash_attention_2", "flash_attention_3", "flex_atten
 ATTENTION_IMPLEMENTATIONS = ("eager", *FUSED_ATTENTION)
 TASKS = ("auto", "base", "sequence-classification", "token-classification", "masked-lm", "causal-lm")
 OPTIMIZER_STATE_BYTES = {"adamw": 8, "adam": 8, "sgd-momentum": 4, "sgd": 0, "none": 0}
+# Bytes per element of the temporaries the optimizer step allocates (Adam's sqrt(exp_avg_sq) / c).
+_STEP_TEMPORARY_BYTES = {"adamw": 4, "adam": 4, "sgd-momentum": 0, "sgd": 0, "none": 0}
 # HF models whose MLP is gated (gate * act(up)) and whose RMSNorm upcasts to fp32 in Python.
 _GATED_MODEL_TYPES = (
     "llama",
@@ -76,6 +78,10 @@ _GATED_MODEL_TYPES = (
     "phi3",
     "olmo",
 )
+
+# Activations written in Python (transformers.activations): I-sized tensors each keeps for
+# backward beyond a fused activation's one.
+_ACTIVATION_EXTRA = {"gelu_new": 3}
 
 
 def _get(config: Any, *names: str, default: Any = None) -> Any:
@@ -230,6 +236,7 @@ class MemoryModel:
         p_att = _dropout(config, "attention_probs_dropout_prob", "attn_pdrop", "attention_dropout")
         p_hid = _dropout(config, "hidden_dropout_prob", "resid_pdrop", "hidden_dropout")
         gated = getattr(config, "model_type", "") in _GATED_MODEL_TYPES
+        activation = _get(config, "activation_function", "hidden_act", default="")
         e = torch.empty((), dtype=torch.float32 if dtype is None else dtype).element_size()
         m = 1 if device == "cuda" else e  # fused bool dropout mask on CUDA; a dtype-sized mask on CPU
         scores = stores_attention_scores(
@@ -241,7 +248,9 @@ class MemoryModel:
             # eager: x, q, k, v (k and v repeated to all heads), the context; fused: x, q, k, v,
             # the kernel's output and its fp32 log-sum-exp per row and head, the context
             attention = 5 * e * h if scores else e * (4 * h + 2 * kv_width) + 4 * a
-            mlp = e * h + e * inter * (4 if gated else 2)
+            # + the python GELUs' intermediates: GPT-2's gelu_new keeps its input, 0.5*x, tanh(...)
+            # and 1 + tanh(...) where torch's fused GELU keeps only the input
+            mlp = e * h + e * inter * ((4 if gated else 2) + _ACTIVATION_EXTRA.get(activation, 0))
             norms = 2 * e * h + 16 if not gated else 2 * (8 + e) * h
             masks = 2 * m * h if p_hid > 0 else 0
             layer_linear = attention + mlp + norms + masks
@@ -270,13 +279,21 @@ class MemoryModel:
         elif task == "token-classification":
             linear += 3 * e * int(_get(config, "num_labels", default=2))
 
-        params = _parameter_count(h, n_layers, inter, kv_width, vocab, config, gated)
-        per_param = e + (e + OPTIMIZER_STATE_BYTES[optimizer] if training else 0)
+        lm_head = task in ("masked-lm", "causal-lm") and not getattr(config, "tie_word_embeddings", True)
+        params, largest = _parameter_count(h, n_layers, inter, kv_width, vocab, config, gated, lm_head)
+        state = OPTIMIZER_STATE_BYTES[optimizer] if training else 0
+        # Forward + backward peaks where the activations are all alive and hardly any gradient
+        # exists yet (backward frees each layer's activations as it makes the layer's gradients),
+        # so the batch-dependent line starts at weights + optimizer state. The gradients all
+        # exist at the optimizer step, whose update needs temporaries: single-tensor AdamW (CPU)
+        # two of its largest parameter at a time, foreach AdamW (CUDA's default) one per parameter.
+        temporaries = _STEP_TEMPORARY_BYTES[optimizer] * (params if device == "cuda" else 2 * largest)
         return cls(
-            constant=float(params * per_param),
+            constant=float(params * (e + state)),
             linear=float(linear),
             quadratic=quadratic,
             per_sample=per_sample,
+            step_peak=float(params * (2 * e + state) + temporaries) if training else 0.0,
             pad_to_multiple_of=_checks.positive_int("pad_to_multiple_of", pad_to_multiple_of),
             stores_scores=scores,
         )
@@ -329,16 +346,17 @@ class MemoryModel:
 
 
 def _parameter_count(
-    h: int, n_layers: int, inter: int, kv_width: int, vocab: int, config: Any, gated: bool
-) -> int:
-    """Approximate number of parameters (embeddings, attention, MLP, norms)."""
+    h: int, n_layers: int, inter: int, kv_width: int, vocab: int, config: Any, gated: bool, lm_head: bool
+) -> tuple[int, int]:
+    """Approximate number of parameters (embeddings, attention, MLP, norms, an untied LM head),
+    and the size of the largest one."""
     positions = int(_get(config, "max_position_embeddings", "n_positions", default=0))
     if _get(config, "rope_theta", "rope_parameters") is not None:
         positions = 0  # rotary embeddings have no weights
     attention = h * (h + 2 * kv_width) + h * h + 4 * h
     mlp = h * inter * (3 if gated else 2) + inter + h
-    total = n_layers * (attention + mlp + 4 * h) + (vocab + positions) * h
-    return int(np.int64(total))
+    total = n_layers * (attention + mlp + 4 * h) + (vocab * (2 if lm_head else 1) + positions) * h
+    return int(np.int64(total)), h * max(vocab, positions, inter, h)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,61 @@
+"""The analytic estimate for causal LMs against the probe's measured peak of a training step (CPU, fp32).
+
+Llama with grouped-query attention and untied embeddings, GPT-2 with its naming, tied embeddings,
+dropout and Python GELU; each in eager and sdpa attention, at three shapes: one where the
+optimizer step's peak is the largest, one where the vocabulary's fp32 logits dominate, one where
+the attention scores weigh (eager keeps them; CPU sdpa keeps them only with attention dropout,
+which GPT-2 has and Llama has not).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+from tokenbatch.probe import MemoryModel
+from tokenbatch.probe._measure import measure_peak
+
+SHAPES = ((1, 16), (16, 32), (2, 256))  # (batch size, length)
+
+
+def llama(attn: str) -> torch.nn.Module:
+    config = LlamaConfig(
+        vocab_size=4000,
+        hidden_size=64,
+        intermediate_size=176,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        attn_implementation=attn,
+    )
+    return LlamaForCausalLM(config)
+
+
+def gpt2(attn: str) -> torch.nn.Module:
+    config = GPT2Config(vocab_size=1000, n_embd=64, n_layer=4, n_head=4, n_positions=512)
+    config._attn_implementation = attn
+    return GPT2LMHeadModel(config)
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+@pytest.mark.parametrize("family", [llama, gpt2], ids=["llama-gqa", "gpt2"])
+def test_predicted_peak_is_within_15_percent_of_the_measured_one(family: Any, attn: str) -> None:
+    torch.manual_seed(0)
+    model = family(attn)
+    assert model.config._attn_implementation == attn
+    estimate = MemoryModel.from_config(model.config, device="cpu", task="causal-lm")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # small ops: a second thread only waits for a core on a busy machine
+    try:
+        measured = {shape: measure_peak(model, *shape).peak_bytes for shape in SHAPES}
+    finally:
+        torch.set_num_threads(threads)
+    ratios = {shape: estimate.predict(*shape) / peak for shape, peak in measured.items()}
+    assert all(0.85 <= r <= 1.15 for r in ratios.values()), ratios
+    # Not trivially tiny: the batch-dependent terms are most of the largest shape's peak.
+    batch, length = SHAPES[-1]
+    assert estimate.cost_model().cost(batch, length) > estimate.constant
