@@ -20,7 +20,7 @@ from benchmarks import common
 from benchmarks.readings import READERS, headline
 
 # "auto", "lr_scaling" and "trainer_lr" are run on their own, not by ``python -m benchmarks``:
-# 15 minutes to over an hour each on CPU.
+# 15 minutes to over an hour each on CPU; "decoder_memory" too (3 minutes even with --quick).
 MODULES = (
     "padding",
     "planning",
@@ -34,6 +34,7 @@ MODULES = (
     "auto",
     "gpu",
     "ddp_overlap",
+    "decoder_memory",
 )
 # What a person wrote about a benchmark's figures (benchmarks/notes/<name>.md): kept apart from
 # the generated results/<name>.md, so that rerunning a benchmark does not erase the reading.
@@ -51,6 +52,7 @@ TITLES = {
     "auto": 'max_tokens="auto" under a memory limit',
     "gpu": "GPU",
     "ddp_overlap": "DDP step time under the guard (overlapped all-reduce)",
+    "decoder_memory": "Decoder memory estimate",
 }
 METHOD_STYLE = {
     "tokenbatch": ("tab:blue", "o"),

@@ -1,4 +1,4 @@
-"""The analytic estimate for causal LMs against the probe's measured peak of a training step (CPU, fp32).
+"""The analytic estimate for causal LMs against the probe's measured peak of a training step (CPU).
 
 Llama with grouped-query attention and untied embeddings, GPT-2 with its naming, tied embeddings,
 dropout and Python GELU; each in eager and sdpa attention, at three shapes: one where the
@@ -41,13 +41,26 @@ def gpt2(attn: str) -> torch.nn.Module:
     return GPT2LMHeadModel(config)
 
 
-@pytest.mark.parametrize("attn", ["eager", "sdpa"])
-@pytest.mark.parametrize("family", [llama, gpt2], ids=["llama-gqa", "gpt2"])
-def test_predicted_peak_is_within_15_percent_of_the_measured_one(family: Any, attn: str) -> None:
+@pytest.mark.parametrize(
+    ("family", "attn", "dtype"),
+    [
+        (llama, "eager", torch.float32),
+        (llama, "sdpa", torch.float32),
+        (gpt2, "eager", torch.float32),
+        (gpt2, "sdpa", torch.float32),
+        # 16-bit: the loss's fp32 copy of the logits, Llama's fp32 softmax, AdamW state in bf16
+        (llama, "eager", torch.bfloat16),
+        (gpt2, "eager", torch.bfloat16),
+    ],
+    ids=["llama-gqa-eager", "llama-gqa-sdpa", "gpt2-eager", "gpt2-sdpa", "llama-gqa-bf16", "gpt2-bf16"],
+)
+def test_predicted_peak_is_within_15_percent_of_the_measured_one(
+    family: Any, attn: str, dtype: torch.dtype
+) -> None:
     torch.manual_seed(0)
-    model = family(attn)
+    model = family(attn).to(dtype)
     assert model.config._attn_implementation == attn
-    estimate = MemoryModel.from_config(model.config, device="cpu", task="causal-lm")
+    estimate = MemoryModel.from_config(model.config, device="cpu", task="causal-lm", dtype=dtype)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # small ops: a second thread only waits for a core on a busy machine
     try:

@@ -37,6 +37,23 @@ builds for padded batches (``e`` bytes per pair for eager, about ``1 + e``
 for sdpa). Measured on tiny and MiniLM-sized BERTs the total is within about
 20% of the probe; use the probe when the number matters.
 
+Decoders (``benchmarks/decoder_memory.py``: Llama with grouped-query
+attention and GPT-2, fp32 on CPU, eager and sdpa) add three things. The
+causal-LM loss keeps ``4*V`` bytes per token in fp32 beyond the logits
+(``e*V``): the log-softmax's output, and at the start of backward its
+gradient and the loss's (in 16-bit, the logits' fp32 copy lives only until
+the log-softmax has run); with a vocabulary of tens of thousands that is
+most of a short sequence's memory. An untied LM head (Llama) is a second
+``V x h`` parameter. GPT-2's ``gelu_new`` is written in Python and keeps four
+``I``-sized tensors where torch's fused GELU keeps one. And the gradients
+are not under the activations: backward frees each layer's activations as it
+makes the layer's gradients, so the forward + backward peak holds weights,
+optimizer state and activations (the probe's fit finds the same constant on
+MiniLM), while the optimizer step holds weights, gradients, state and the
+update's temporaries (``step_peak``; single-tensor AdamW on CPU makes two of
+the largest parameter's size at a time, foreach AdamW on CUDA one per
+parameter). The prediction is the larger of the two.
+
 Which attention implementations store the ``L x L`` scores: ``eager`` always
 does (``attention_probs`` in every layer). ``flash_attention_2``,
 ``flash_attention_3``, ``flex_attention`` and ``sdpa`` on CUDA do not: they
@@ -63,7 +80,7 @@ FUSED_ATTENTION = ("sdpa", "flash_attention_2", "flash_attention_3", "flex_atten
 ATTENTION_IMPLEMENTATIONS = ("eager", *FUSED_ATTENTION)
 TASKS = ("auto", "base", "sequence-classification", "token-classification", "masked-lm", "causal-lm")
 OPTIMIZER_STATE_BYTES = {"adamw": 8, "adam": 8, "sgd-momentum": 4, "sgd": 0, "none": 0}
-# Bytes per element of the temporaries the optimizer step allocates (Adam's sqrt(exp_avg_sq) / c).
+# Bytes in fp32 per element of the temporaries the optimizer step allocates (Adam's sqrt(exp_avg_sq) / c).
 _STEP_TEMPORARY_BYTES = {"adamw": 4, "adam": 4, "sgd-momentum": 0, "sgd": 0, "none": 0}
 # HF models whose MLP is gated (gate * act(up)) and whose RMSNorm upcasts to fp32 in Python.
 _GATED_MODEL_TYPES = (
@@ -156,7 +173,8 @@ class MemoryModel:
     """
 
     constant: float
-    """Bytes for weights, gradients and optimizer state."""
+    """Bytes held under the activations: weights and optimizer state (the analytic estimate),
+    or what the fit finds."""
     linear: float
     """Bytes per padded token."""
     quadratic: float
@@ -164,7 +182,8 @@ class MemoryModel:
     per_sample: float
     """Bytes per sequence whatever its length (classification head)."""
     step_peak: float = 0.0
-    """The optimizer step's peak, whatever the batch (measured; 0 for the analytic estimate)."""
+    """The optimizer step's peak, whatever the batch: measured, or for the analytic estimate
+    weights, gradients, optimizer state and the update's temporaries (0 for inference)."""
     pad_to_multiple_of: int = 1
     stores_scores: bool | None = None
     """Whether attention keeps the ``L x L`` scores for backward (``None``: fitted, not known)."""
@@ -185,9 +204,11 @@ class MemoryModel:
         """Estimate the training (or inference) memory of a transformers model from its config.
 
         Korthikanti et al. (2022)'s activation counts, adjusted for fp32, for
-        CPU dropout masks and for fused attention, plus weights, gradients and
-        optimizer state; within about 20% of :func:`~tokenbatch.find_max_tokens`
-        on the BERTs measured.
+        CPU dropout masks, for fused attention and for the causal-LM loss's fp32
+        buffers, plus weights, gradients and optimizer state; within about 20% of
+        :func:`~tokenbatch.find_max_tokens` on the BERTs measured, and within 3%
+        of the probe's measured peak on the Llama and GPT-2 decoders of
+        ``benchmarks/decoder_memory.py`` (fp32, CPU).
 
         Args:
             config: a ``transformers.PretrainedConfig`` of an encoder (BERT family)
@@ -203,8 +224,8 @@ class MemoryModel:
             task: the head: ``"auto"`` (from ``config.architectures``, else
                 sequence classification), ``"base"``, ``"sequence-classification"``,
                 ``"token-classification"``, ``"masked-lm"`` or ``"causal-lm"``.
-            optimizer: ``"adamw"`` (8 bytes of state per parameter), ``"sgd-momentum"``
-                (4) or ``"sgd"`` (0); only affects ``constant``.
+            optimizer: ``"adamw"`` (two states per parameter, 8 bytes in fp32), ``"sgd-momentum"``
+                (one) or ``"sgd"`` (none); only affects ``constant`` and ``step_peak``.
             pad_to_multiple_of: the collator's padding multiple.
 
         Raises:
@@ -254,7 +275,10 @@ class MemoryModel:
             norms = 2 * e * h + 16 if not gated else 2 * (8 + e) * h
             masks = 2 * m * h if p_hid > 0 else 0
             layer_linear = attention + mlp + norms + masks
-            layer_quadratic = a * (e + ((m + e) if p_att > 0 else 0)) if scores else 0
+            # the softmax's output (Llama-family eager attention computes it in fp32 and keeps
+            # that and its 16-bit copy), with attention dropout its mask and output
+            softmax = e + (4 if gated and e < 4 else 0)
+            layer_quadratic = a * (softmax + ((m + e) if p_att > 0 else 0)) if scores else 0
             embeddings = e * h + (m * h if p_hid > 0 else 0) + 8
             # + the final hidden state the head keeps, + the backward pass's working set at its start
             linear = n_layers * layer_linear + embeddings + e * h + 4 * e * h
@@ -281,13 +305,15 @@ class MemoryModel:
 
         lm_head = task in ("masked-lm", "causal-lm") and not getattr(config, "tie_word_embeddings", True)
         params, largest = _parameter_count(h, n_layers, inter, kv_width, vocab, config, gated, lm_head)
-        state = OPTIMIZER_STATE_BYTES[optimizer] if training else 0
+        # torch's optimizers keep their state in the parameters' dtype
+        state = OPTIMIZER_STATE_BYTES[optimizer] * e // 4 if training else 0
         # Forward + backward peaks where the activations are all alive and hardly any gradient
         # exists yet (backward frees each layer's activations as it makes the layer's gradients),
         # so the batch-dependent line starts at weights + optimizer state. The gradients all
         # exist at the optimizer step, whose update needs temporaries: single-tensor AdamW (CPU)
         # two of its largest parameter at a time, foreach AdamW (CUDA's default) one per parameter.
-        temporaries = _STEP_TEMPORARY_BYTES[optimizer] * (params if device == "cuda" else 2 * largest)
+        elements = params if device == "cuda" else 2 * largest
+        temporaries = _STEP_TEMPORARY_BYTES[optimizer] * e // 4 * elements
         return cls(
             constant=float(params * (e + state)),
             linear=float(linear),
