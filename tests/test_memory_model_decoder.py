@@ -9,14 +9,20 @@ which GPT-2 has and Llama has not).
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
-from tokenbatch.probe import MemoryModel
+from tokenbatch import TokenBudgetBatchSampler, auto_budget
+from tokenbatch.probe import BudgetCache, MemoryModel
+from tokenbatch.probe._auto import budget_in_units
 from tokenbatch.probe._measure import measure_peak
+from tokenbatch.probe._model import resolve_task
+from tokenbatch.probe._search import search_cost
 
 SHAPES = ((1, 16), (16, 32), (2, 256))  # (batch size, length)
 
@@ -72,3 +78,21 @@ def test_predicted_peak_is_within_15_percent_of_the_measured_one(
     # Not trivially tiny: the batch-dependent terms are most of the largest shape's peak.
     batch, length = SHAPES[-1]
     assert estimate.cost_model().cost(batch, length) > estimate.constant
+
+
+def test_a_causal_lm_built_in_code_is_estimated_with_its_logits(tmp_path: Path) -> None:
+    """No ``config.architectures`` on a model built from its config: its class names the head,
+    for the probe's search cost and for ``auto_budget(measure=False)`` alike."""
+    torch.manual_seed(0)
+    model = llama("eager")
+    assert not model.config.architectures
+    causal = MemoryModel.from_config(model.config, device="cpu", task="causal-lm")
+    assert resolve_task(model.config) == "sequence-classification"
+    assert resolve_task(model.config, model=model) == "causal-lm"
+    assert search_cost(model, 1) == causal.token_cost()
+    lengths = [16, 40, 64, 128] * 8
+    sampler = TokenBudgetBatchSampler(lengths, max_tokens="auto")
+    limit = 256 * 2**20
+    result = auto_budget(model, sampler, memory_limit=limit, measure=False, cache=BudgetCache(tmp_path / "b"))
+    expected = budget_in_units(causal, sampler.cost, np.asarray(lengths), limit, 0.1)
+    assert result.estimate == pytest.approx(expected, rel=1e-12)

@@ -27,7 +27,7 @@ from tokenbatch.cost import CostModel
 from tokenbatch.plan import OversizeSampleError
 from tokenbatch.probe._cache import BudgetCache, BudgetKey
 from tokenbatch.probe._measure import LossFn, MakeBatch, batch_maker, held_bytes, model_device
-from tokenbatch.probe._model import MemoryModel, check_margin
+from tokenbatch.probe._model import MemoryModel, check_margin, resolve_task
 from tokenbatch.probe._search import ProbeResult, default_memory_limit, find_max_tokens
 from tokenbatch.sampler import TokenBudgetBatchSampler
 
@@ -272,7 +272,7 @@ def auto_budget(
         if math.isfinite(mine):
             if config is not None:
                 with contextlib.suppress(AttributeError, TypeError, ValueError):  # a check, not a need
-                    estimate = _estimate(config, dtype, device, cost, lengths, limit, margin)
+                    estimate = _estimate(model, config, dtype, device, cost, lengths, limit, margin)
             doubt = _suspect(mine, estimate, sampler)
             if doubt is not None:
                 logger.warning(
@@ -289,7 +289,7 @@ def auto_budget(
             source, own_entry = "cache", True
         else:
             if config is not None and estimate is None:
-                estimate = _estimate(config, dtype, device, cost, lengths, limit, margin)
+                estimate = _estimate(model, config, dtype, device, cost, lengths, limit, margin)
             if estimate is not None:
                 logger.info("max_tokens='auto': the config's estimate is %g for %s", estimate, key)
             elif not measure:
@@ -338,6 +338,7 @@ def auto_budget(
 
 
 def _estimate(
+    model: torch.nn.Module,
     config: Any,
     dtype: torch.dtype,
     device: torch.device,
@@ -346,9 +347,14 @@ def _estimate(
     limit: float,
     margin: float,
 ) -> float:
-    """The config's analytic budget in ``cost`` units for this memory."""
+    """The config's analytic budget in ``cost`` units for this memory (the head named by the
+    model's class: a model built from a config in code has no ``config.architectures``)."""
     analytic = MemoryModel.from_config(
-        config, dtype=dtype, device=device.type, pad_to_multiple_of=cost.pad_to_multiple_of
+        config,
+        dtype=dtype,
+        device=device.type,
+        task=resolve_task(config, model=model),
+        pad_to_multiple_of=cost.pad_to_multiple_of,
     )
     return budget_in_units(analytic, cost, lengths, limit, margin)
 

@@ -113,20 +113,28 @@ def _dropout(config: Any, *names: str) -> float:
     return float(_get(config, *names, default=0.0))
 
 
-def resolve_task(config: Any, task: str = "auto") -> str:
-    """``task``, or for ``"auto"`` the head ``config.architectures`` names (else sequence classification)."""
+def resolve_task(config: Any, task: str = "auto", model: Any = None) -> str:
+    """``task``, or for ``"auto"`` the head that ``model``'s class (when given) or else
+    ``config.architectures`` names (else sequence classification).
+
+    A model built from a config in code has no ``architectures``: its class is
+    what says that a ``LlamaForCausalLM`` carries a vocabulary-wide head.
+    """
     task = _checks.one_of("task", task, TASKS)
     if task != "auto":
         return task
-    arch = (getattr(config, "architectures", None) or [""])[0]
-    for suffix, name in (
-        ("ForMaskedLM", "masked-lm"),
-        ("ForCausalLM", "causal-lm"),
-        ("LMHeadModel", "causal-lm"),
-        ("ForTokenClassification", "token-classification"),
-    ):
-        if arch.endswith(suffix):
-            return name
+    names = [type(model).__name__] if model is not None else []
+    names += list(getattr(config, "architectures", None) or [])[:1]
+    for name in names:
+        for suffix, head in (
+            ("ForMaskedLM", "masked-lm"),
+            ("ForCausalLM", "causal-lm"),
+            ("LMHeadModel", "causal-lm"),
+            ("ForTokenClassification", "token-classification"),
+            ("ForSequenceClassification", "sequence-classification"),
+        ):
+            if name.endswith(suffix):
+                return head
     return "sequence-classification"
 
 

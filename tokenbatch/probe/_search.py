@@ -33,7 +33,7 @@ from tokenbatch.probe._measure import (
     model_device,
     preserved,
 )
-from tokenbatch.probe._model import Measurement, MemoryModel, check_margin, fit_memory
+from tokenbatch.probe._model import Measurement, MemoryModel, check_margin, fit_memory, resolve_task
 
 logger = logging.getLogger(__name__)
 
@@ -378,7 +378,10 @@ def search_cost(model: torch.nn.Module, pad: int) -> CostModel:
     device = model_device(model)
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     try:
-        estimate = MemoryModel.from_config(config, dtype=dtype, device=device.type, pad_to_multiple_of=pad)
+        task = resolve_task(config, model=model)
+        estimate = MemoryModel.from_config(
+            config, dtype=dtype, device=device.type, task=task, pad_to_multiple_of=pad
+        )
         return estimate.token_cost()
     except (AttributeError, TypeError, ValueError):
         return CostModel(pad_to_multiple_of=pad)
