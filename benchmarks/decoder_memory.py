@@ -1,4 +1,4 @@
-"""The analytic memory estimate for causal LMs against the measured peak of one training step (CPU, fp32).
+"""The analytic memory estimate for causal LMs against the measured peak of one training step (CPU).
 
 For Llama with grouped-query attention (untied embeddings, SwiGLU, RMSNorm, RoPE, no dropout)
 and GPT-2 (``n_embd``/``n_head``/``n_layer``/``n_positions``, tied embeddings, dropout 0.1,
@@ -24,7 +24,11 @@ random weights:
   in fp32 four times: logits, log-softmax, its gradient and the loss's), the attention
   scores (``B*H*L*L``) or the layers' other activations.
 
-Usage: ``python -m benchmarks.decoder_memory [--quick] [--out DIR]`` (``--quick``: the two
+With ``--dtype bfloat16`` the models train in bf16 (weights, activations and AdamW state; the
+loss upcasts the logits to fp32), without the limit trials, and the results are the variant
+``decoder_memory-bfloat16``.
+
+Usage: ``python -m benchmarks.decoder_memory [--quick] [--dtype D] [--out DIR]`` (``--quick``: the two
 smaller sizes, a few minutes on a shared 2-core CPU; 15-20 without). Not part of
 ``python -m benchmarks``, whose quick suite must stay near a minute a benchmark;
 ``benchmarks.report`` shows its results when present.
@@ -157,15 +161,18 @@ def under_limit(family: str, size: str, attn: str, shape: tuple[int, int], rooms
     return ["yes" if r["ok"] else "OOM" for r in reports]
 
 
-def run_model(family: str, size: str, attn: str) -> list[dict[str, Any]]:
+def run_model(family: str, size: str, attn: str, dtype: str) -> list[dict[str, Any]]:
     """One row per shape for one model; the longest shape also tried under RLIMIT_AS."""
+    import torch
+
     from tokenbatch.probe import MemoryModel
     from tokenbatch.probe._measure import measure_peak
 
-    model = build(family, size, attn)
+    model = build(family, size, attn).to(getattr(torch, dtype))
     config = model.config
-    estimate = MemoryModel.from_config(config, device="cpu", task="causal-lm")
-    base = MemoryModel.from_config(config, device="cpu", task="base")
+    options: dict[str, Any] = {"device": "cpu", "dtype": getattr(torch, dtype)}
+    estimate = MemoryModel.from_config(config, task="causal-lm", **options)
+    base = MemoryModel.from_config(config, task="base", **options)
     logits_per_token = estimate.linear - base.linear
     params = sum(p.numel() for p in model.parameters())
     rows = []
@@ -178,6 +185,7 @@ def run_model(family: str, size: str, attn: str) -> list[dict[str, Any]]:
                 "size": size,
                 "params_m": params / 1e6,
                 "attention": attn,
+                "dtype": dtype,
                 "shape": f"{batch}x{length}",
                 "largest_term": largest_term(estimate, logits_per_token, batch, length),
                 "measured_mib": measured.peak_bytes / MiB,
@@ -187,7 +195,7 @@ def run_model(family: str, size: str, attn: str) -> list[dict[str, Any]]:
                 "predicted_over_measured": predicted / measured.peak_bytes,
             }
         )
-    if size in LIMIT_SIZES:
+    if size in LIMIT_SIZES and dtype == "float32":
         shape = SHAPES[-1]
         room = estimate.predict(*shape) - estimate.constant  # weights + AdamW state are held
         trained = under_limit(family, size, attn, shape, [factor * room for factor in LIMIT_FACTORS])
@@ -204,19 +212,24 @@ def run_model(family: str, size: str, attn: str) -> list[dict[str, Any]]:
     return rows
 
 
-def markdown(rows: list[dict[str, Any]]) -> str:
+def markdown(rows: list[dict[str, Any]], dtype: str) -> str:
     ratios = [r["predicted_over_measured"] for r in rows]
     limit_columns = [f"trains_at_{f}x_room" for f in LIMIT_FACTORS]
     limits = [r for r in rows if limit_columns[0] in r]
     held = sum(r[limit_columns[0]] == "yes" and r[limit_columns[1]] == "OOM" for r in limits)
-    return (
-        "Predicted (`MemoryModel.from_config(config, device='cpu', task='causal-lm')`) against the "
-        "measured peak of one training step (forward + backward + AdamW step, fp32, CPU; the probe's "
-        "torch-profiler count of PyTorch's allocations), random weights, 1 thread. "
-        f"predicted/measured over all {len(rows)} rows: {min(ratios):.3f} to {max(ratios):.3f}. "
+    under = (
         "Under RLIMIT_AS (longest shape of the small and medium models, in a fork, mmap threshold "
-        f"64 KiB): {held} of "
-        f"{len(limits)} trained with 1.15x the predicted room and ran out of memory with 0.85x.\n\n"
+        f"64 KiB): {held} of {len(limits)} trained with 1.15x the predicted room and ran out of "
+        "memory with 0.85x."
+        if limits
+        else "No limit trials in this dtype."
+    )
+    return (
+        f"Predicted (`MemoryModel.from_config(config, device='cpu', task='causal-lm', dtype=torch.{dtype})`) "
+        f"against the measured peak of one training step (forward + backward + AdamW step, {dtype} "
+        "weights and activations, CPU; the probe's torch-profiler count of PyTorch's allocations), "
+        f"random weights, 1 thread. predicted/measured over all {len(rows)} rows: {min(ratios):.3f} "
+        f"to {max(ratios):.3f}. {under}\n\n"
         + common.markdown_table(
             rows,
             [
@@ -224,6 +237,7 @@ def markdown(rows: list[dict[str, Any]]) -> str:
                 "size",
                 "params_m",
                 "attention",
+                "dtype",
                 "shape",
                 "largest_term",
                 "measured_mib",
@@ -238,6 +252,12 @@ def markdown(rows: list[dict[str, Any]]) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmark; see the module docstring."""
     parser = common.parser("decoder_memory", __doc__.splitlines()[0] if __doc__ else "decoder_memory")
+    parser.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="weights and activations (bfloat16: no limit trials; results as a variant)",
+    )
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
@@ -251,9 +271,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     for family in ("llama-gqa", "gpt2"):
         for size in sizes:
             for attn in ("eager", "sdpa"):
-                rows += run_model(family, size, attn)
-    text = markdown(rows)
-    common.write_results("decoder_memory", args.out, {"quick": args.quick, "rows": rows}, text)
+                rows += run_model(family, size, attn, args.dtype)
+    text = markdown(rows, args.dtype)
+    variant = None if args.dtype == "float32" else args.dtype
+    common.write_results("decoder_memory", args.out, {"quick": args.quick, "rows": rows}, text, variant)
     print(text)
     return 0
 

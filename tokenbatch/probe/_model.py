@@ -60,7 +60,8 @@ does (``attention_probs`` in every layer). ``flash_attention_2``,
 keep q, k, v, the output and a per-row log-sum-exp and recompute the scores
 in backward. ``sdpa`` on CPU uses its fused kernel only without attention
 dropout; training with dropout falls back to the math kernel, which stores
-the scores just like eager.
+the scores just like eager (in fp32, with fp32 copies of q, k and v, for
+16-bit inputs).
 """
 
 from __future__ import annotations
@@ -277,6 +278,11 @@ class MemoryModel:
             # eager: x, q, k, v (k and v repeated to all heads), the context; fused: x, q, k, v,
             # the kernel's output and its fp32 log-sum-exp per row and head, the context
             attention = 5 * e * h if scores else e * (4 * h + 2 * kv_width) + 4 * a
+            # CPU sdpa's math kernel (the one that keeps the scores) computes 16-bit inputs in fp32:
+            # it keeps fp32 copies of q, k and v, and fp32 scores
+            upcast = attn_implementation == "sdpa" and device == "cpu" and scores and e < 4
+            if upcast:
+                attention = 2 * e * h + 3 * 4 * h
             # + the python GELUs' intermediates: GPT-2's gelu_new keeps its input, 0.5*x, tanh(...)
             # and 1 + tanh(...) where torch's fused GELU keeps only the input
             mlp = e * h + e * inter * ((4 if gated else 2) + _ACTIVATION_EXTRA.get(activation, 0))
@@ -285,8 +291,8 @@ class MemoryModel:
             layer_linear = attention + mlp + norms + masks
             # the softmax's output (Llama-family eager attention computes it in fp32 and keeps
             # that and its 16-bit copy), with attention dropout its mask and output
-            softmax = e + (4 if gated and e < 4 else 0)
-            layer_quadratic = a * (softmax + ((m + e) if p_att > 0 else 0)) if scores else 0
+            softmax, dropout = (4, 4 + 4) if upcast else (e + (4 if gated and e < 4 else 0), m + e)
+            layer_quadratic = a * (softmax + (dropout if p_att > 0 else 0)) if scores else 0
             embeddings = e * h + (m * h if p_hid > 0 else 0) + 8
             # + the final hidden state the head keeps, + the backward pass's working set at its start
             linear = n_layers * layer_linear + embeddings + e * h + 4 * e * h
