@@ -41,7 +41,7 @@ import os
 import weakref
 from collections.abc import Callable
 from functools import partial
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
@@ -121,15 +121,27 @@ except ImportError as error:  # pragma: no cover - the extra is not installed, o
         "pip install 'tokenbatch[transformers]'"
     ) from error
 
-__all__ = ["TokenBudgetTrainer", "last_checkpoint"]
+__all__ = ["TokenBudgetMixin", "TokenBudgetTrainer", "last_checkpoint"]
 
 logger = logging.getLogger(__name__)
 
 OOM_MODES = ("split", "halve")
 
+# The mixin's methods are Trainer's, extended: type-checked as a Trainer subclass.
+if TYPE_CHECKING:
+    _TrainerBase = Trainer
+else:
+    _TrainerBase = object
 
-class TokenBudgetTrainer(Trainer):
-    """A ``Trainer`` whose batches fit a token budget and which recovers from out-of-memory in place.
+
+class TokenBudgetMixin(_TrainerBase):
+    """Token-budget batches and the out-of-memory guard for any ``Trainer`` subclass, put first in its bases.
+
+    ``class MyTrainer(TokenBudgetMixin, SomeTrainer)``: :class:`TokenBudgetTrainer` is
+    ``TokenBudgetMixin`` on ``Trainer``, ``tokenbatch.integrations.trl.TokenBudgetSFTTrainer``
+    on TRL's ``SFTTrainer``; what follows holds for each.
+
+    A ``Trainer`` whose batches fit a token budget and which recovers from out-of-memory in place.
 
     Use it as ``Trainer`` (same arguments), with ``max_tokens`` instead of a
     batch size (``per_device_*_batch_size`` and ``group_by_length`` do not
@@ -693,6 +705,19 @@ class TokenBudgetTrainer(Trainer):
             predictions=reorder(output.predictions, index, count),
             label_ids=reorder(output.label_ids, index, count),
         )
+
+
+class TokenBudgetTrainer(TokenBudgetMixin, Trainer):
+    """A ``Trainer`` whose batches fit a token budget and which recovers from out-of-memory in place.
+
+    :class:`TokenBudgetMixin` on ``transformers.Trainer``: see it for the arguments.
+
+    Example:
+        >>> from tokenbatch.integrations.transformers import TokenBudgetTrainer
+        >>> trainer = TokenBudgetTrainer(  # doctest: +SKIP
+        ...     model=model, args=TrainingArguments("out", num_train_epochs=3),
+        ...     train_dataset=tokenized["train"], processing_class=tokenizer, max_tokens=8192)
+    """
 
 
 # -- token lengths and DataLoader options ----------------------------------------------------
