@@ -16,10 +16,12 @@ no mark.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import torch
+from transformers import TrainerCallback
 
 LABELS = ("sadness", "joy", "love", "anger", "fear", "surprise")
 # The assistant's turn inside {% generation %}: what assistant_only_loss trains on.
@@ -31,15 +33,25 @@ CHAT_TEMPLATE = (
 )
 
 
-def tokenizer(minilm_path: str) -> Any:
-    """MiniLM's WordPiece vocabulary as a causal LM's tokenizer: no [CLS] added, [SEP] ends a text.
+def tokenizer(minilm_path: str, texts: Iterable[str]) -> Any:
+    """MiniLM's WordPiece cut down to the words of ``texts``, as a causal LM's tokenizer.
 
-    A chat template marks the assistant's turn for ``assistant_only_loss``.
+    No [CLS] is added, [SEP] ends a text, and a chat template marks the
+    assistant's turn for ``assistant_only_loss``. The small vocabulary keeps
+    the tiny model's LM head (and TRL's loss over it) small; other words are [UNK].
     """
-    from tokenizers import Tokenizer, processors
+    from tokenizers import Tokenizer, models, processors
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    backend = Tokenizer.from_str(AutoTokenizer.from_pretrained(minilm_path).backend_tokenizer.to_str())
+    full = AutoTokenizer.from_pretrained(minilm_path)
+    keep = {"[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"}
+    for text in [*texts, " ".join(LABELS), "user: assistant: emotion:"]:
+        keep.update(full.tokenize(text))
+    ids = full.get_vocab()
+    backend = Tokenizer.from_str(full.backend_tokenizer.to_str())
+    backend.model = models.WordPiece(
+        {t: i for i, t in enumerate(sorted(keep, key=ids.get))}, unk_token="[UNK]"
+    )
     backend.post_processor = processors.TemplateProcessing(single="$A", pair="$A $B")
     return PreTrainedTokenizerFast(
         tokenizer_object=backend,
@@ -49,6 +61,12 @@ def tokenizer(minilm_path: str) -> Any:
         model_max_length=512,
         chat_template=CHAT_TEMPLATE,
     )
+
+
+def texts(data_dir: str | Path, count: int, split: str = "train") -> list[str]:
+    """The first ``count`` emotion texts of ``split``."""
+    with open(Path(data_dir) / f"{split}.jsonl") as handle:
+        return [json.loads(line)["text"] for line, _ in zip(handle, range(count), strict=False)]
 
 
 def tiny_llama(vocab_size: int, seed: int = 0) -> Any:
@@ -71,9 +89,9 @@ def tiny_llama(vocab_size: int, seed: int = 0) -> Any:
     return LlamaForCausalLM(config)
 
 
-def save_tiny(directory: Path, minilm_path: str) -> Path:
-    """A tiny Llama and its tokenizer saved in ``directory`` (what ``from_pretrained`` loads offline)."""
-    tok = tokenizer(minilm_path)
+def save_tiny(directory: Path, minilm_path: str, data_dir: str | Path, count: int = 512) -> Path:
+    """A tiny Llama and its tokenizer (for ``count`` emotion texts) saved in ``directory``, offline."""
+    tok = tokenizer(minilm_path, [*texts(data_dir, count), *texts(data_dir, count, "validation")])
     model = tiny_llama(len(tok))
     model.config.eos_token_id, model.config.pad_token_id = tok.eos_token_id, tok.pad_token_id
     model.save_pretrained(directory)
@@ -188,6 +206,17 @@ def collator(tok: Any) -> WithIdx:
     return WithIdx(DataCollatorForLanguageModeling(pad_token_id=tok.pad_token_id))
 
 
+class SaveAt(TrainerCallback):  # type: ignore[misc]
+    """Asks for a checkpoint after optimizer step ``step``."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if state.global_step == self.step:
+            control.should_save = True
+
+
 def same_batches_trainer(max_tokens: float) -> Any:
     """A plain ``SFTTrainer`` trained on the batches a token budget plans for epoch 0, and nothing else.
 
@@ -222,19 +251,23 @@ def train(
     max_tokens: float = 600,
     oom: dict[str, Any] | None = None,
     resume: str | None = None,
+    save_at: int | None = None,
     eval_data: Any = None,
     arguments: dict[str, Any] | None = None,
     **options: Any,
 ) -> dict[str, Any]:
     """One run on ``data``; what it trained: ``steps`` (idx per optimizer step), ``losses``, ``events``...
 
-    ``plain``: a plain SFTTrainer on the same batches; ``oom``: ``inject_oom`` keywords (training only).
+    ``plain``: a plain SFTTrainer on the same batches; ``oom``: ``inject_oom`` keywords for training,
+    and then an evaluation with out-of-memory in its forward (``eval_loss_oom``).
+    ``save_at``: a checkpoint after that optimizer step. ``dataset`` and ``eval_dataset`` in the
+    result are what TRL prepared.
     """
     from tokenbatch.integrations.trl import TokenBudgetSFTTrainer
     from tokenbatch.testing import inject_oom
 
     model = tiny_llama(len(tok))
-    marks = add_marks(model, len(data))
+    marks = add_marks(model, max(data["idx"]) + 1)  # TRL may have dropped rows
     record = recorder(marks)
     kwargs: dict[str, Any] = {
         "model": model,
@@ -243,7 +276,7 @@ def train(
         "eval_dataset": eval_data,
         "processing_class": tok,
         "data_collator": collator(tok),
-        "callbacks": [record],
+        "callbacks": [record] if save_at is None else [record, SaveAt(save_at)],
     }
     if plain:
         trainer = same_batches_trainer(max_tokens)(**kwargs)
@@ -254,7 +287,10 @@ def train(
     if injector is not None:
         injector.remove()
     idx = [int(i) for i in trainer.train_dataset["idx"]]  # what TRL kept (it drops fully masked rows)
-    result = {
+    result: dict[str, Any] = {
+        "lengths": [int(n) for n in trainer.train_sampler.lengths] if not plain else [],
+        "dataset": trainer.train_dataset,  # prepared by TRL: a later run skips its tokenization
+        "eval_dataset": trainer.eval_dataset,
         "steps": record.steps,
         "losses": record.losses,
         "idx": idx,

@@ -1,0 +1,156 @@
+"""TokenBudgetSFTTrainer with real TRL: a tiny Llama fine-tuned on emotion texts, on 1 and 2 processes.
+
+Which examples each optimizer step trained is read from the gradients
+(``marks``, see tests/scripts/trl_common.py). Every run is one epoch; the
+checks: every example TRL kept trained exactly once; with no out-of-memory
+error the logged per-token loss of each step is a plain ``SFTTrainer``'s on
+the same batches (within 1e-5), and so it stays in split mode after an
+out-of-memory error (the micro-batches' losses add up to the batch's);
+halve mode re-plans and still trains each example once; a resumed run
+continues with the next example and the uninterrupted run's losses.
+
+On 1 process the data is conversational with ``assistant_only_loss``, on 2
+processes prompt/completion pairs with TRL's completion-only loss and
+gradient accumulation 2: out-of-memory in the backward pass (split) and the
+forward pass (halve) here, the other way round there.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("trl")
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPTS = REPO / "tests" / "scripts"
+sys.path.insert(0, str(SCRIPTS))
+
+import trl_common as tc  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+MAX_TOKENS, OOM_LIMIT, MAX_LENGTH, CHECKPOINT = 400.0, 200.0, 40, 2
+
+
+def once(run: dict[str, Any]) -> tuple[int, int]:
+    """(examples trained, distinct ones); asserts they are exactly the examples TRL kept."""
+    seen = [i for step in run["steps"] for i in step]
+    assert sorted(seen) == sorted(run["idx"]), "every example once per epoch"
+    return len(seen), len(set(seen))
+
+
+@pytest.fixture(scope="module")
+def runs(emotion_data_dir: Path, minilm_path: str, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """The 1-process runs, each made once, on the first use: ``runs("budget")``."""
+    import datasets
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    datasets.disable_progress_bar()
+    out = tmp_path_factory.mktemp("trl")
+    tok = tc.tokenizer(minilm_path, tc.texts(emotion_data_dir, 64))
+    data = tc.pairs(emotion_data_dir, 64, conversational=True)
+    arguments = {"assistant_only_loss": True, "max_length": MAX_LENGTH, "disable_tqdm": True}
+    options: dict[str, dict[str, Any]] = {
+        "plain": {"plain": True},
+        "budget": {"save_at": CHECKPOINT},
+        "resumed": {"resume": str(out / "budget" / f"checkpoint-{CHECKPOINT}")},
+        "split": {"oom": {"max_tokens": OOM_LIMIT, "where": "backward"}},
+        "halve": {"oom": {"max_tokens": OOM_LIMIT}, "oom_mode": "halve"},
+    }
+    done: dict[str, Any] = {}
+
+    def get(name: str) -> dict[str, Any]:
+        nonlocal data
+        if name == "resumed":
+            get("budget")
+        if name not in done:
+            done[name] = tc.train(
+                data, tok, out / name, max_tokens=MAX_TOKENS, arguments=arguments, **options[name]
+            )
+            data = done[name]["dataset"]  # prepared by TRL once
+        return done[name]
+
+    get.raw = lambda: tc.pairs(emotion_data_dir, 64, conversational=True)  # type: ignore[attr-defined]
+    get.tokenizer = tok  # type: ignore[attr-defined]
+    return get
+
+
+def test_same_per_token_loss_as_sft_trainer_on_the_same_batches(runs: Any) -> None:
+    plain, budget = runs("plain"), runs("budget")
+    assert once(budget) == once(plain)
+    assert len(budget["losses"]) == len(plain["losses"]) >= 3
+    assert budget["losses"] == pytest.approx(plain["losses"], abs=1e-5)
+    assert budget["steps"] == plain["steps"]  # the same batches, step by step
+    assert budget["events"] == []
+
+
+def test_lengths_are_read_after_trl_prepares_the_data(runs: Any) -> None:
+    budget = runs("budget")
+    lengths = [len(ids) for ids in budget["dataset"]["input_ids"]]
+    assert budget["lengths"] == lengths  # the chat template applied, then truncated to max_length
+    # Truncation cut some assistant turns off entirely: TRL dropped those rows, the plan never saw them.
+    assert max(lengths) <= MAX_LENGTH and len(lengths) < 64
+    # The labels keep TRL's assistant-only mask: the user's turn is not trained on.
+    row = budget["dataset"][0]
+    trained = [t for t, label in zip(row["input_ids"], row["labels"], strict=True) if label != -100]
+    assert 0 < len(trained) < len(row["input_ids"])
+
+
+def test_split_after_out_of_memory_in_backward_keeps_the_loss(runs: Any) -> None:
+    plain, split = runs("plain"), runs("split")
+    assert split["injected"] > 0 and split["events"]
+    assert "backward" in split["events"][0] and "micro-batches" in split["events"][0]
+    once(split)
+    assert split["losses"] == pytest.approx(plain["losses"], abs=1e-5)
+
+
+def test_halve_after_out_of_memory_in_forward_trains_each_example_once(runs: Any) -> None:
+    halve = runs("halve")
+    assert halve["injected"] > 0 and "re-planned" in halve["events"][0] and "forward" in halve["events"][0]
+    once(halve)
+    assert len(halve["steps"]) > len(runs("plain")["steps"])  # smaller batches, more steps
+
+
+def test_resume_mid_epoch_continues_at_the_next_example(runs: Any) -> None:
+    budget, resumed = runs("budget"), runs("resumed")
+    assert resumed["steps"] == budget["steps"][CHECKPOINT:]
+    once({"steps": budget["steps"][:CHECKPOINT] + resumed["steps"], "idx": budget["idx"]})
+    assert resumed["losses"] == pytest.approx(budget["losses"][CHECKPOINT:], abs=1e-5)
+
+
+@pytest.mark.parametrize("option", ["packing", "padding_free", "eval_packing"])
+def test_another_batching_is_refused_with_what_to_use(runs: Any, option: str, tmp_path: Path) -> None:
+    from tokenbatch.integrations.trl import TokenBudgetSFTTrainer
+
+    with pytest.raises(ValueError, match=rf"{option}=True.*set {option}=False"):
+        TokenBudgetSFTTrainer(
+            model=tc.tiny_llama(len(runs.tokenizer)),
+            args=tc.config(tmp_path, **{option: True}),
+            train_dataset=runs.raw(),
+            processing_class=runs.tokenizer,
+            max_tokens=MAX_TOKENS,
+        )
+
+
+def test_two_processes(torchrun: Any, emotion_data_dir: Path, minilm_path: str, tmp_path: Path) -> None:
+    """Prompt/completion pairs, completion-only loss, accumulation 2, out-of-memory on one rank."""
+    torchrun(SCRIPTS / "trl_ddp.py", emotion_data_dir, minilm_path, tmp_path, env={"ACCELERATE_USE_CPU": "1"})
+    result = {name: json.loads((tmp_path / f"{name}.json").read_text()) for name in ("plain", "budget")}
+    result |= {name: json.loads((tmp_path / f"{name}.json").read_text()) for name in ("split", "halve")}
+    plain, budget, split, halve = (result[name] for name in ("plain", "budget", "split", "halve"))
+    counts = {name: once(run) for name, run in result.items()}
+    assert len(set(counts.values())) == 1
+    assert budget["steps"] == plain["steps"] and len(plain["losses"]) >= 2
+    assert budget["losses"] == pytest.approx(plain["losses"], abs=1e-5)
+    assert budget["eval_loss"] == pytest.approx(plain["eval_loss"], abs=1e-5)
+    # rank 1 ran out of memory in forward; every rank ran the step as micro-batches
+    assert "rank 1 (forward)" in split["events"][0] and "micro-batches" in split["events"][0]
+    assert split["losses"] == pytest.approx(plain["losses"], abs=1e-5)
+    assert split["eval_loss_oom"] == pytest.approx(split["eval_loss"], abs=1e-5)
+    assert "rank 0 (backward)" in halve["events"][0] and "re-planned" in halve["events"][0]
+    assert halve["injected"] > 0
