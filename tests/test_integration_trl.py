@@ -91,10 +91,10 @@ def test_same_per_token_loss_as_sft_trainer_on_the_same_batches(runs: Any) -> No
 
 def test_lengths_are_read_after_trl_prepares_the_data(runs: Any) -> None:
     budget = runs("budget")
-    lengths = [len(ids) for ids in budget["dataset"]["input_ids"]]
+    lengths = [min(len(ids), MAX_LENGTH) for ids in budget["dataset"]["input_ids"]]
     assert budget["lengths"] == lengths  # the chat template applied, then truncated to max_length
-    # Truncation cut some assistant turns off entirely: TRL dropped those rows, the plan never saw them.
-    assert max(lengths) <= MAX_LENGTH and len(lengths) < 64
+    templated = [len(runs.tokenizer.apply_chat_template(row["messages"])["input_ids"]) for row in runs.raw()]
+    assert max(templated) > MAX_LENGTH
     # The labels keep TRL's assistant-only mask: the user's turn is not trained on.
     row = budget["dataset"][0]
     trained = [t for t, label in zip(row["input_ids"], row["labels"], strict=True) if label != -100]

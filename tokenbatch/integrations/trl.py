@@ -7,9 +7,9 @@ guarded evaluation, exact mid-epoch resume and ``lr_scaling``, with TRL's data
 preparation and loss. What it adds for TRL:
 
 - ``SFTTrainer`` tokenizes in its constructor (chat templates, prompt and
-  completion masks, ``max_length`` truncation); the lengths are read after
-  that, from the prepared ``input_ids`` (or a ``length`` column), when the
-  DataLoaders are made;
+  completion masks); the lengths are read after that, from the prepared
+  ``input_ids`` (or a ``length`` column), capped at ``max_length`` (TRL
+  truncates while it prepares the data, older releases in the collator);
 - ``packing`` and ``padding_free`` are refused: they are another batching;
 - TRL's ``compute_loss`` gathers its logged metrics (entropy, token accuracy,
   tokens seen) across processes in the middle of the forward pass, a
@@ -21,9 +21,13 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from functools import partial
 from typing import Any
 
+import numpy as np
+
 from tokenbatch.integrations.transformers import TokenBudgetMixin
+from tokenbatch.lengths import column_lengths
 
 MIN_TRL = "1.0"
 """The oldest TRL that pyproject.toml's ``trl`` extra allows."""
@@ -78,6 +82,26 @@ def check_batching(args: Any) -> None:
             raise ValueError(f"TokenBudgetSFTTrainer does not take {option}=True: {why}")
 
 
+def capped_lengths(dataset: Any, max_length: int | None, column: str) -> Any:
+    """``dataset`` with a ``column`` of lengths capped at ``max_length``, where a length is above it.
+
+    The lengths are ``column``'s if the dataset has one, else its ``input_ids``'.
+    Anything else (no ``max_length``, an iterable dataset, nothing over it) is returned as it is.
+    """
+    names = getattr(dataset, "column_names", None)
+    if max_length is None or not isinstance(names, list) or not hasattr(dataset, "add_column"):
+        return dataset
+    source = column if column in names else "input_ids"
+    if source not in names:
+        return dataset
+    lengths = column_lengths(dataset, source)
+    if len(lengths) == 0 or int(lengths.max()) <= max_length:
+        return dataset
+    if column in names:
+        dataset = dataset.remove_columns(column)
+    return dataset.add_column(column, np.minimum(lengths, max_length).tolist())
+
+
 def _rank_local(tensor: Any, *args: Any, **kwargs: Any) -> Any:
     return tensor
 
@@ -124,6 +148,17 @@ class TokenBudgetSFTTrainer(TokenBudgetMixin, SFTTrainer):
         # SFTTrainer's own order: model, args, ...; checked before it tokenizes the datasets.
         check_batching(kwargs.get("args", args[1] if len(args) > 1 else None))
         super().__init__(*args, **kwargs)
+        # The budget plans the lengths the model sees: after truncation, wherever TRL does it.
+        cap = partial(
+            capped_lengths,
+            max_length=getattr(self.args, "max_length", None),
+            column=self.args.length_column_name,
+        )
+        self.train_dataset = cap(self.train_dataset)
+        if isinstance(self.eval_dataset, dict):
+            self.eval_dataset = {name: cap(dataset) for name, dataset in self.eval_dataset.items()}
+        elif self.eval_dataset is not None:
+            self.eval_dataset = cap(self.eval_dataset)
 
     def compute_loss(
         self,
