@@ -12,7 +12,8 @@ names, which README.md introduces before its first sample:
 - ``model``: a tiny random ``BertForSequenceClassification`` with 6 labels, new for each file;
 - ``data_dir``: a directory with those texts as ``train.jsonl`` and ``validation.jsonl``;
 - ``sys.argv``: ``[script, data_dir, a directory with the tiny model and the tokenizer]``, for a
-  complete script that reads its arguments.
+  complete script that reads its arguments (for docs/trl.md, a tiny causal LM and its tokenizer:
+  ``tests/scripts/trl_common.py``).
 
 Each file runs in a temporary directory of its own, without the hub, with the budget cache in a
 temporary file and ``TOKENBATCH_MEMORY_LIMIT=64MiB`` (so that ``max_tokens="auto"`` probes the
@@ -141,12 +142,17 @@ def doc_data(tmp_path_factory: pytest.TempPathFactory, emotion_data_dir: Path, m
     torch.manual_seed(0)
     tiny_model().save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
+    sys.path.insert(0, str(REPO / "tests" / "scripts"))
+    import trl_common
+
+    causal_lm_dir = trl_common.save_tiny(root / "tiny-llama", minilm_path, data_dir, TRAIN_ROWS)
     return {
         "data_dir": data_dir,
         "tokenizer": tokenizer,
         "train_set": sets["train"],
         "eval_set": sets["validation"],
         "model_dir": model_dir,
+        "causal_lm_dir": causal_lm_dir,
         "cache": root / "budgets.json",
     }
 
@@ -201,7 +207,8 @@ def test_python_blocks_run(
     monkeypatch.setenv("TOKENBATCH_CACHE", str(doc_data["cache"]))
     monkeypatch.setenv("TOKENBATCH_MEMORY_LIMIT", "64MiB")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setattr(sys, "argv", ["script.py", str(doc_data["data_dir"]), str(doc_data["model_dir"])])
+    model_dir = doc_data["causal_lm_dir" if path.name == "trl.md" else "model_dir"]
+    monkeypatch.setattr(sys, "argv", ["script.py", str(doc_data["data_dir"]), str(model_dir)])
     namespace = names(doc_data)
     ran = 0
     sigterm = signal.getsignal(signal.SIGTERM)  # docs/restarts.md handles SIGTERM, as a script would

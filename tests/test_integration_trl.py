@@ -84,21 +84,35 @@ def test_same_per_token_loss_as_sft_trainer_on_the_same_batches(runs: Any) -> No
     plain, budget = runs("plain"), runs("budget")
     assert once(budget) == once(plain)
     assert len(budget["losses"]) == len(plain["losses"]) >= 3
-    assert budget["losses"] == pytest.approx(plain["losses"], abs=1e-5)
     assert budget["steps"] == plain["steps"]  # the same batches, step by step
+    assert budget["losses"] == pytest.approx(plain["losses"], abs=1e-5)
     assert budget["events"] == []
 
 
 def test_lengths_are_read_after_trl_prepares_the_data(runs: Any) -> None:
     budget = runs("budget")
-    lengths = [min(len(ids), MAX_LENGTH) for ids in budget["dataset"]["input_ids"]]
-    assert budget["lengths"] == lengths  # the chat template applied, then truncated to max_length
+    prepared = budget["dataset"]
+    lengths = [len(ids) for ids in prepared["input_ids"]]
+    assert budget["lengths"] == lengths  # the chat template applied (and the truncation, below)
     templated = [len(runs.tokenizer.apply_chat_template(row["messages"])["input_ids"]) for row in runs.raw()]
-    assert max(templated) > MAX_LENGTH
-    # The labels keep TRL's assistant-only mask: the user's turn is not trained on.
-    row = budget["dataset"][0]
-    trained = [t for t, label in zip(row["input_ids"], row["labels"], strict=True) if label != -100]
-    assert 0 < len(trained) < len(row["input_ids"])
+    if "labels" in prepared.column_names:  # TRL >= 1.16 prepares labels, and truncates, in the data
+        assert max(lengths) <= MAX_LENGTH < max(templated)
+        # The labels keep TRL's assistant-only mask: the user's turn is not trained on.
+        row = prepared[0]
+        trained = [t for t, label in zip(row["input_ids"], row["labels"], strict=True) if label != -100]
+        assert 0 < len(trained) < len(row["input_ids"])
+
+
+def test_lengths_are_capped_where_the_collator_truncates() -> None:
+    import datasets
+
+    from tokenbatch.integrations.trl import capped_lengths
+
+    data = datasets.Dataset.from_dict({"input_ids": [[1] * 5, [1] * 50], "length": [5, 50]})
+    assert capped_lengths(data, 40, "length")["length"] == [5, 40]
+    assert capped_lengths(data.remove_columns("length"), 40, "length")["length"] == [5, 40]
+    assert capped_lengths(data, None, "length") is data  # nothing truncates: lengths as they are
+    assert capped_lengths(data, 64, "length") is data
 
 
 def test_split_after_out_of_memory_in_backward_keeps_the_loss(runs: Any) -> None:

@@ -51,10 +51,7 @@ def load_pairs(data_dir: Path | None) -> DatasetDict:
         return {"prompt": f"{row['text']}\nemotion:", "completion": f" {LABELS[int(str(row['label']))]}"}
 
     return DatasetDict(
-        {
-            split: Dataset.from_list([pair(row) for row in data[split]])
-            for split in ("train", "validation")
-        }
+        {split: Dataset.from_list([pair(row) for row in data[split]]) for split in ("train", "validation")}
     )
 
 

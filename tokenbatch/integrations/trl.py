@@ -8,8 +8,9 @@ preparation and loss. What it adds for TRL:
 
 - ``SFTTrainer`` tokenizes in its constructor (chat templates, prompt and
   completion masks); the lengths are read after that, from the prepared
-  ``input_ids`` (or a ``length`` column), capped at ``max_length`` (TRL
-  truncates while it prepares the data, older releases in the collator);
+  ``input_ids`` (or a ``length`` column), which TRL has truncated to
+  ``max_length``; where TRL's collator truncates instead (TRL 1.0), the
+  lengths are capped at its ``max_length``;
 - ``packing`` and ``padding_free`` are refused: they are another batching;
 - TRL's ``compute_loss`` gathers its logged metrics (entropy, token accuracy,
   tokens seen) across processes in the middle of the forward pass, a
@@ -148,12 +149,9 @@ class TokenBudgetSFTTrainer(TokenBudgetMixin, SFTTrainer):
         # SFTTrainer's own order: model, args, ...; checked before it tokenizes the datasets.
         check_batching(kwargs.get("args", args[1] if len(args) > 1 else None))
         super().__init__(*args, **kwargs)
-        # The budget plans the lengths the model sees: after truncation, wherever TRL does it.
-        cap = partial(
-            capped_lengths,
-            max_length=getattr(self.args, "max_length", None),
-            column=self.args.length_column_name,
-        )
+        # The budget plans the lengths the model sees: TRL 1.0 truncates in its collator, not in the data.
+        limit = getattr(self.data_collator, "max_length", None)
+        cap = partial(capped_lengths, max_length=limit, column=self.args.length_column_name)
         self.train_dataset = cap(self.train_dataset)
         if isinstance(self.eval_dataset, dict):
             self.eval_dataset = {name: cap(dataset) for name, dataset in self.eval_dataset.items()}
