@@ -205,6 +205,19 @@ def test_memory_changed_opens_the_bracket_up_to_the_ceiling() -> None:
     assert search.memory_try(900.0, 495.0) == 900.0
 
 
+def test_an_oom_at_the_budget_that_trained_still_lowers_it() -> None:
+    """A step as costly as the budget trained (a sample over the budget alone, or batches longer
+    than the lengths planned), then a batch costing more fails at that same budget: going back to
+    "the costliest step that trained" would be the budget that just failed, re-planned for ever."""
+    search = BudgetSearch(Grow(), ceiling=1000.0)
+    assert search.failed_try(budget=1000.0, failed_cost=990.0, halved=495.0) == 495.0
+    search.trained(budget=495.0, step_cost=600.0)  # trained alone, over the budget: proven is 495
+    assert search.proven == 495.0
+    new = search.failed_try(budget=495.0, failed_cost=650.0, halved=247.5)
+    assert new < 495.0, "the budget that failed was kept: the same step fails again, for ever"
+    assert new == 247.5
+
+
 def test_grow_options_are_checked() -> None:
     with pytest.raises(ValueError, match="tolerance should be below 1"):
         Grow(tolerance=1.5)

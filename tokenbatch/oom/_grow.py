@@ -216,8 +216,9 @@ class BudgetSearch:
             self.proven = None  # what trained before fails now: memory is tighter than it was
         if back is not None:
             self.failures += 1
-        # A budget that trained, or the costliest step that did (a try's cheaper steps count too).
-        known = [b for b in (back, self.proven) if b is not None and b < failed_cost]
+        # A budget that trained, or the costliest step that did (a try's cheaper steps count too),
+        # below the budget that failed: at that budget the same step would fail again, for ever.
+        known = [b for b in (back, self.proven) if b is not None and b < min(failed_cost, budget)]
         return max([*known, halved])
 
     def trained(self, *, budget: float, step_cost: float) -> float | None:
