@@ -150,6 +150,9 @@ def read_lhotse(data: dict[str, Any]) -> str:
         chosen = [r for r in rows if r["ranks"] == ranks and (mode is None or r["mode"] == mode)]
         return _span_of([r[key] for r in chosen if r["method"] == method])
 
+    def worst(method: str, key: str) -> float:
+        return max(r[key] for r in rows if r["method"] == method)
+
     ratios = {
         mode: [r["lhotse_time_ratio"] for r in rows if r["mode"] == mode and "lhotse_time_ratio" in r]
         for mode in ("map-style", "stream")
@@ -177,10 +180,10 @@ def read_lhotse(data: dict[str, Any]) -> str:
         f"On the same cost and budgets (lhotse {data.get('lhotse', '?')}, 1 rank): steps / lower bound "
         f"{span('tokenbatch', 'steps_over_lower_bound')} for tokenbatch against "
         f"{span('lhotse', 'steps_over_lower_bound')} for lhotse; padding efficiency "
-        f"{span('tokenbatch', 'efficiency')} against {span('lhotse', 'efficiency')}; the costliest batch "
-        f"{span('tokenbatch', 'max_budget_use')} x the budget against {span('lhotse', 'max_budget_use')} x "
-        f"(up to {max(r['over_budget'] for r in rows if r['method'] == 'lhotse'):.1%} of lhotse's batches "
-        f"over it, on 1 or 2 ranks).",
+        f"{span('tokenbatch', 'efficiency')} against {span('lhotse', 'efficiency')}. On 1 or 2 ranks the "
+        f"costliest batch is {worst('tokenbatch', 'max_budget_use'):.3g} x the budget for tokenbatch and "
+        f"{worst('lhotse', 'max_budget_use'):.3g} x for lhotse, with up to "
+        f"{worst('lhotse', 'over_budget'):.1%} of lhotse's batches over it.",
         f"An epoch of the map-style sampler takes 1/{_span_of(ratios['map-style'])} of lhotse's time "
         f"(lhotse holding the whole set), the stream at buffer {buffer:,} passes examples "
         f"{_span_of(ratios['stream'])}x as fast; stream buffer peak {peaks[0]} MiB against {peaks[1]} MiB.",
