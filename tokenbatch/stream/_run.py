@@ -109,9 +109,10 @@ class Run:
             self._read(self.settings.buffer_size - len(self.buffer))
 
     def _read(self, count: int) -> None:
-        # In chunks of a refill: inserting a whole buffer at once (the first fill) would hold
-        # temporaries of a buffer's size beside it. The order is the same (Buffer.add merges stably).
-        start, step = self.read, max(1, self.settings.buffer_size // 16)
+        # In chunks of a quarter buffer (at least 4096 examples, so that a small buffer's refill stays one
+        # merge): inserting a whole buffer at once (the first fill) would hold temporaries of a buffer's
+        # size beside it. The order is the same (Buffer.add merges stably).
+        start, step = self.read, max(4096, self.settings.buffer_size // 4)
         while count > 0 and not self.exhausted:
             chunk = list(itertools.islice(self._iter, min(count, step)))
             if len(chunk) < min(count, step):
