@@ -142,8 +142,66 @@ def read_ddp_overlap(data: dict[str, Any]) -> str:
     return "; ".join(parts) + "." if parts else "No rows."
 
 
+def read_lhotse(data: dict[str, Any]) -> str:
+    """tokenbatch against lhotse's DynamicBucketingSampler: each figure's span, and where lhotse wins."""
+    rows = data["rows"]
+
+    def span(method: str, key: str, ranks: int = 1, mode: str | None = None) -> str:
+        chosen = [r for r in rows if r["ranks"] == ranks and (mode is None or r["mode"] == mode)]
+        return _span_of([r[key] for r in chosen if r["method"] == method])
+
+    def worst(method: str, key: str) -> float:
+        return max(r[key] for r in rows if r["method"] == method)
+
+    ratios = {
+        mode: [r["lhotse_time_ratio"] for r in rows if r["mode"] == mode and "lhotse_time_ratio" in r]
+        for mode in ("map-style", "stream")
+    }
+    pairs = {(r["dataset"], r["mode"], r["ranks"], r["method"]): r for r in rows}
+    wins = []
+    for (dataset, mode, ranks, method), ours in pairs.items():
+        if method != "tokenbatch":
+            continue
+        theirs = pairs[dataset, mode, ranks, "lhotse"]
+        where = f"{dataset} {mode}" + (f" {ranks} ranks" if ranks > 1 else "")
+        for key, label, lower_is_better in (
+            ("steps_over_lower_bound", "steps / lower bound", True),
+            ("efficiency", "padding efficiency", False),
+            ("peak_mib", "stream buffer peak MiB", True),
+            ("step_balance", "step balance", False),
+        ):
+            if key not in ours or (key == "step_balance" and ranks == 1):
+                continue
+            if (theirs[key] < ours[key]) if lower_is_better else (theirs[key] > ours[key]):
+                wins.append(f"{label} on {where} ({theirs[key]:.3g} against {ours[key]:.3g})")
+    buffer = data.get("buffer", "?")
+    peaks = span("tokenbatch", "peak_mib", mode="stream"), span("lhotse", "peak_mib", mode="stream")
+    lines = [
+        f"On the same cost and budgets (lhotse {data.get('lhotse', '?')}, 1 rank): steps / lower bound "
+        f"{span('tokenbatch', 'steps_over_lower_bound')} for tokenbatch against "
+        f"{span('lhotse', 'steps_over_lower_bound')} for lhotse; padding efficiency "
+        f"{span('tokenbatch', 'efficiency')} against {span('lhotse', 'efficiency')}. On 1 or 2 ranks the "
+        f"costliest batch is {worst('tokenbatch', 'max_budget_use'):.3g} x the budget for tokenbatch and "
+        f"{worst('lhotse', 'max_budget_use'):.3g} x for lhotse, with up to "
+        f"{worst('lhotse', 'over_budget'):.1%} of lhotse's batches over it.",
+        f"An epoch of the map-style sampler takes 1/{_span_of(ratios['map-style'])} of lhotse's time "
+        f"(lhotse holding the whole set), the stream at buffer {buffer:,} passes examples "
+        f"{_span_of(ratios['stream'])}x as fast; stream buffer peak {peaks[0]} MiB against {peaks[1]} MiB.",
+        "Where lhotse does better: " + ("; ".join(wins) if wins else "nowhere in this run") + ".",
+    ]
+    return "\n\n".join(lines)
+
+
+def _span_of(values: list[float]) -> str:
+    if not values:
+        return "n/a"
+    low, high = f"{min(values):.3g}", f"{max(values):.3g}"
+    return low if low == high else f"{low}..{high}"
+
+
 READERS = {"padding": read_padding, "planning": read_planning, "gpu": read_gpu}
 READERS["ddp_overlap"] = read_ddp_overlap
+READERS["lhotse_compare"] = read_lhotse
 
 
 def headline(results: dict[str, dict[str, Any]]) -> str:

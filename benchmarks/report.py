@@ -20,11 +20,13 @@ from benchmarks import common
 from benchmarks.readings import READERS, headline
 
 # "auto", "lr_scaling" and "trainer_lr" are run on their own, not by ``python -m benchmarks``:
-# 15 minutes to over an hour each on CPU; "decoder_memory" too (3 minutes even with --quick).
+# 15 minutes to over an hour each on CPU; "decoder_memory" too (3 minutes even with --quick), and
+# "lhotse_compare" (lhotse is an optional dependency).
 MODULES = (
     "padding",
     "planning",
     "streaming",
+    "lhotse_compare",
     "training",
     "lr_scaling",
     "trainer_lr",
@@ -43,6 +45,7 @@ TITLES = {
     "padding": "Padding and steps",
     "planning": "Planning speed",
     "streaming": "Streaming (TokenBudgetStream)",
+    "lhotse_compare": "Against lhotse",
     "training": "Training throughput (CPU)",
     "lr_scaling": "The seed's learning rate, scaled per step (CPU)",
     "trainer_lr": "The seed's learning rate, scaled per step, in TokenBudgetTrainer (CPU)",
@@ -179,7 +182,43 @@ def plot_training(data: dict[str, Any], out: Path, name: str) -> list[str]:
     return [file]
 
 
-PLOTTERS = {"padding": plot_padding, "planning": plot_planning}
+def plot_lhotse(data: dict[str, Any], out: Path) -> list[str]:
+    """tokenbatch beside lhotse per data set and mode (1 rank): four figures, one panel each."""
+    plt = _pyplot()
+    rows = [r for r in data["rows"] if r["ranks"] == 1]
+    groups = list(dict.fromkeys((r["dataset"], r["mode"]) for r in rows))
+    pick = {(r["dataset"], r["mode"], r["method"]): r for r in rows}
+    panels = (
+        ("steps_over_lower_bound", "steps / lower bound", False),
+        ("efficiency", "padding efficiency (real / padded tokens)", False),
+        ("max_budget_use", "costliest batch / budget", False),
+        ("examples_per_s", "examples per second (log)", True),
+    )
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.8))
+    width = 0.38
+    for ax, (key, label, log) in zip(axes, panels, strict=True):
+        for offset, method, color in (
+            (-width / 2, "tokenbatch", "tab:blue"),
+            (width / 2, "lhotse", "tab:gray"),
+        ):
+            values = [pick[g[0], g[1], method][key] for g in groups]
+            ax.bar([i + offset for i in range(len(groups))], values, width, color=color, label=method)
+        if key == "max_budget_use":
+            ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
+        if log:
+            ax.set_yscale("log")
+        ax.set_xticks(range(len(groups)))
+        ax.set_xticklabels([f"{d}\n{m}" for d, m in groups], fontsize=7)
+        ax.set_title(label, fontsize=10)
+        ax.grid(alpha=0.3, axis="y")
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "lhotse_compare.png", dpi=90)
+    plt.close(fig)
+    return ["lhotse_compare.png"]
+
+
+PLOTTERS = {"padding": plot_padding, "planning": plot_planning, "lhotse_compare": plot_lhotse}
 
 
 def variants(results_dir: Path, name: str) -> list[Path]:

@@ -361,8 +361,7 @@ def plan_batches(
         [[0, 2], [1, 3]]
     """
     indices = np.asarray(indices, dtype=np.int64)
-    sub_unit = unit[indices]
-    too_big = sub_unit > budget
+    too_big = unit[indices] > budget
     skipped = np.empty(0, np.int64)
     alone = np.empty(0, np.int64)
     if too_big.any():
@@ -383,6 +382,7 @@ def plan_batches(
     else:
         shuffled = rng.permutation(indices)
         order = shuffled[np.argsort(_small_int(keys[shuffled]), kind="stable")]
+        del shuffled  # each temporary of the sample count freed as soon as it is done with (peak memory)
 
     unit_sorted = unit[order]
     pack = functools.partial(
@@ -430,6 +430,7 @@ def plan_batches(
             )
 
     batch_order = _arrange_steps(sizes * unit_sorted[starts + sizes - 1], num_replicas, rng)
+    del pack, unit_sorted
     starts, sizes = starts[batch_order], sizes[batch_order]
     offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
     return Plan(_gather_segments(order, starts, sizes), offsets, num_replicas, skipped, dropped)

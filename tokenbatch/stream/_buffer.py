@@ -131,18 +131,15 @@ class Buffer:
         order = np.argsort(keys, kind="stable")
         keys, unit, slots = keys[order], unit[order], slots[order]
         self._bucket_cost += self._by_bucket(keys, unit)
-        # One merge for the three arrays: a gather index into [old, new], where each new key lands.
-        size = len(self.key)
+        # One merge for the three arrays: where each new key lands, and a mask of the places kept for
+        # the old ones. Each array is written once into its new place: no copy of the old beside it.
         # Equal keys keep the order they were read in (after those already here), as a resume rebuilds them.
         landing = self.key.searchsorted(keys, side="right") + np.arange(count)
-        gather = np.empty(size + count, np.int64)
-        old = np.ones(size + count, bool)
+        old = np.ones(len(self.key) + count, bool)
         old[landing] = False
-        gather[old] = np.arange(size)
-        gather[landing] = np.arange(size, size + count)
-        self.key = np.concatenate([self.key, keys]).take(gather)
-        self.unit = np.concatenate([self.unit, unit]).take(gather)
-        self.slot = np.concatenate([self.slot, slots]).take(gather)
+        self.key = _merged(self.key, keys, landing, old)
+        self.unit = _merged(self.unit, unit, landing, old)
+        self.slot = _merged(self.slot, slots, landing, old)
 
     def hold(self, positions: np.ndarray, examples: list[Any]) -> np.ndarray:
         """Put ``examples`` in free slots (outside the length order); returns the slots."""
@@ -229,18 +226,27 @@ class Buffer:
         """
         if not len(self):
             return []
-        plan = plan_batches(
-            np.arange(len(self)), self.padded(), self.unit, self.budget, rng=rng, oversize="alone"
-        )
-        batches = [self.slot[np.sort(plan.batch(b))] for b in range(plan.num_batches)]
+        # The order is emptied first, so that the keys are freed before the planner's temporaries
+        # come (this is the peak of a pass's memory).
+        padded, unit, slot = self.padded(), self.unit, self.slot
         self.key, self.unit, self.slot = self.key[:0], self.unit[:0], self.slot[:0]
         self._bucket_cost[:] = 0
-        return batches
+        plan = plan_batches(np.arange(len(slot)), padded, unit, self.budget, rng=rng, oversize="alone")
+        del padded, unit
+        return [slot[np.sort(plan.batch(b))] for b in range(plan.num_batches)]
 
     def take_slots(self, slots: np.ndarray) -> list[Any]:
         examples: list[Any] = self.items[slots].tolist()
         self.release(slots)
         return examples
+
+
+def _merged(held: np.ndarray, new: np.ndarray, landing: np.ndarray, old: np.ndarray) -> np.ndarray:
+    """``held`` at the places ``old`` marks and ``new`` at ``landing``, in one new array."""
+    result = np.empty(len(old), np.result_type(held, new))
+    result[landing] = new
+    result[old] = held
+    return result
 
 
 def split_to(batches: list[np.ndarray], count: int) -> list[np.ndarray]:

@@ -109,15 +109,21 @@ class Run:
             self._read(self.settings.buffer_size - len(self.buffer))
 
     def _read(self, count: int) -> None:
-        chunk = list(itertools.islice(self._iter, count))
-        if len(chunk) < count:
-            self.exhausted = True
-        if chunk:
-            first = self.read
-            self.read += len(chunk)
-            self._insert(np.arange(first, self.read), chunk)
-            if self.part.kind == "datasets":
-                self.snapshots.add(self.read, self.part.snapshot())
+        # In chunks of a quarter buffer (at least 4096 examples, so that a small buffer's refill stays one
+        # merge): inserting a whole buffer at once (the first fill) would hold temporaries of a buffer's
+        # size beside it. The order is the same (Buffer.add merges stably).
+        start, step = self.read, max(4096, self.settings.buffer_size // 4)
+        while count > 0 and not self.exhausted:
+            chunk = list(itertools.islice(self._iter, min(count, step)))
+            if len(chunk) < min(count, step):
+                self.exhausted = True
+            if chunk:
+                first = self.read
+                self.read += len(chunk)
+                count -= len(chunk)
+                self._insert(np.arange(first, self.read), chunk)
+        if self.read > start and self.part.kind == "datasets":
+            self.snapshots.add(self.read, self.part.snapshot())
 
     def _insert(self, positions: np.ndarray, chunk: list[Any]) -> None:
         # Judged by the budget the stream was made with: an example it admitted stays admitted after an
