@@ -648,8 +648,9 @@ def _read_replans(replans: Any) -> tuple[Replan, ...]:
         ranks = _checks.positive_int(f"{name}[2]", entry[2])
         if result and steps < result[-1].steps_done:
             raise ValueError(
-                f"{name} should re-plan at or after the step of the re-plan before it "
-                f"(steps_done={result[-1].steps_done}), but got {name}={entry!r}"
+                f"{name} should re-plan at or after the step of the re-plan before it, "
+                f"state['replans'][{i - 1}] (steps_done={result[-1].steps_done}), but got {name}={entry!r}; "
+                f"one of the two is wrong"
             )
         result.append(Replan(steps, budget, ranks))
     return tuple(result)
