@@ -83,6 +83,13 @@ def test_a_worker_killed_while_saving_restarts_from_the_last_complete_checkpoint
     emotion_data_dir: Path, tmp_path: Path
 ) -> None:
     """SIGKILL to rank 0 mid-checkpoint: torchrun restarts; the steps after the last checkpoint repeat."""
+    import transformers
+
+    if int(transformers.__version__.split(".")[0]) < 5:
+        # Trainer 4.x loads the optimizer with map_location=args.device on several processes, which
+        # is "cpu:0" under torchrun on CPU, and torch refuses it ("don't know how to restore data
+        # location", seen on 4.50): the resume fails inside Trainer, with or without tokenbatch.
+        pytest.skip("transformers 4.x cannot resume its optimizer under torchrun on CPU")
     seed = random.randrange(10**6)
     kill = SAVE_STEPS * random.Random(seed).randint(2, 4)  # saving checkpoint-<kill> when killed
     context = f"seed {seed}: killed while saving checkpoint-{kill}"
