@@ -48,9 +48,7 @@ import gc
 import math
 import statistics
 import sys
-import threading
 import time
-import tracemalloc
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -59,6 +57,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks import common
+from benchmarks.streaming import as_plan, peak_bytes, stream_ranks
 from tokenbatch import CostModel, TokenBudgetBatchSampler, TokenBudgetStream
 from tokenbatch.plan import Plan, batch_stats
 
@@ -181,59 +180,9 @@ def tokenbatch_map(data: Dataset, world: int, epoch: int = 0) -> Plan:
     return sampler.plan
 
 
-class _Agreement:
-    """Element-wise maxima between threads, as the all-reduce between processes."""
-
-    def __init__(self, world: int) -> None:
-        self.barrier = threading.Barrier(world, timeout=600)
-        self.values: list[list[float]] = [[] for _ in range(world)]
-
-    def for_rank(self, rank: int) -> Callable[[list[float]], list[float]]:
-        def agree(values: list[float]) -> list[float]:
-            self.values[rank] = values
-            self.barrier.wait()
-            result = [max(v[i] for v in self.values) for i in range(len(values))]
-            self.barrier.wait()
-            return result
-
-        return agree
-
-
 def tokenbatch_stream(data: Dataset, buffer: int, world: int, epoch: int = 0) -> Plan:
     """One epoch of the stream on ``world`` ranks (threads), over indices, laid out step by step."""
-    lengths = data.lengths.tolist()
-    agreement = _Agreement(world)
-    per_rank: list[list[list[int]]] = [[] for _ in range(world)]
-
-    def work(rank: int) -> None:
-        stream = TokenBudgetStream(
-            range(len(lengths)),
-            data.budget,
-            cost=COST,
-            length=lengths.__getitem__,
-            buffer_size=buffer,
-            num_replicas=world,
-            rank=rank,
-            agree=agreement.for_rank(rank) if world > 1 else None,
-        )
-        stream.set_epoch(epoch)
-        per_rank[rank] = [list(batch) for batch in stream]
-
-    threads = [threading.Thread(target=work, args=(rank,)) for rank in range(world)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    steps = {len(b) for b in per_rank}
-    if len(steps) != 1:
-        raise AssertionError(f"tokenbatch's ranks yielded different numbers of batches: {sorted(steps)}")
-    return as_plan([per_rank[r][s] for s in range(steps.pop()) for r in range(world)], world)
-
-
-def as_plan(batches: list[list[int]], world: int) -> Plan:
-    sizes = [len(b) for b in batches]
-    order = np.fromiter((i for b in batches for i in b), np.int64, sum(sizes))
-    return Plan(order, np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64), world)
+    return stream_ranks(data.lengths.tolist(), data.budget, COST, buffer, world, epoch)
 
 
 def measure(plan: Plan, data: Dataset) -> dict[str, Any]:
@@ -269,16 +218,6 @@ def _timed(fn: Callable[[], Any]) -> float:
 def _drain(batches: Iterable[Any]) -> None:
     for _ in batches:
         pass
-
-
-def peak_bytes(fn: Callable[[], Any]) -> int:
-    gc.collect()
-    tracemalloc.start()
-    try:
-        fn()
-        return tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
 
 
 def time_map(data: Dataset, cuts: Sequence[Any], repeats: int) -> dict[str, list[float]]:

@@ -109,10 +109,10 @@ def stream_plan(data: Dataset, buffer: int, epoch: int) -> Plan:
         range(len(lengths)), data.budget, cost=data.cost, length=lengths.__getitem__, buffer_size=buffer
     )
     stream.set_epoch(epoch)
-    return _as_plan([list(batch) for batch in stream], 1)
+    return as_plan([list(batch) for batch in stream], 1)
 
 
-def _as_plan(batches: list[list[int]], world: int) -> Plan:
+def as_plan(batches: list[list[int]], world: int) -> Plan:
     sizes = [len(b) for b in batches]
     order = np.fromiter((i for b in batches for i in b), np.int64, sum(sizes))
     return Plan(order, np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64), world)
@@ -176,7 +176,7 @@ def sampler_peak(data: Dataset) -> int:
 # -- ranks -------------------------------------------------------------------------------
 
 
-class _Agreement:
+class Agreement:
     """Element-wise maxima between threads, as the all-reduce between processes."""
 
     def __init__(self, world: int) -> None:
@@ -194,23 +194,26 @@ class _Agreement:
         return agree
 
 
-def stream_ranks(data: Dataset, buffer: int, world: int) -> Plan:
-    """One epoch on ``world`` simulated ranks, laid out step by step as a Plan of ``world`` replicas."""
-    lengths = data.lengths.tolist()
-    agreement = _Agreement(world)
+def stream_ranks(
+    lengths: Sequence[int], budget: float, cost: CostModel, buffer: int, world: int, epoch: int = 0
+) -> Plan:
+    """One epoch on ``world`` simulated ranks (threads), step by step as a Plan of ``world`` replicas."""
+    lengths = list(lengths)
+    agreement = Agreement(world)
     per_rank: list[list[list[int]]] = [[] for _ in range(world)]
 
     def work(rank: int) -> None:
         stream = TokenBudgetStream(
             range(len(lengths)),
-            data.budget,
-            cost=data.cost,
+            budget,
+            cost=cost,
             length=lengths.__getitem__,
             buffer_size=buffer,
             num_replicas=world,
             rank=rank,
-            agree=agreement.for_rank(rank),
+            agree=agreement.for_rank(rank) if world > 1 else None,
         )
+        stream.set_epoch(epoch)
         per_rank[rank] = [list(batch) for batch in stream]
 
     threads = [threading.Thread(target=work, args=(rank,)) for rank in range(world)]
@@ -221,7 +224,7 @@ def stream_ranks(data: Dataset, buffer: int, world: int) -> Plan:
     steps = {len(batches) for batches in per_rank}
     if len(steps) != 1:
         raise AssertionError(f"ranks yielded different numbers of batches: {[len(b) for b in per_rank]}")
-    return _as_plan([per_rank[rank][step] for step in range(steps.pop()) for rank in range(world)], world)
+    return as_plan([per_rank[rank][step] for step in range(steps.pop()) for rank in range(world)], world)
 
 
 # -- running it --------------------------------------------------------------------------
@@ -260,7 +263,7 @@ def run_balance(data: Dataset, buffer: int) -> list[dict[str, Any]]:
     rows = []
     for world in WORLDS:
         planned = TokenBudgetBatchSampler(data.lengths, data.budget, cost=data.cost, num_replicas=world).plan
-        streamed = stream_ranks(data, buffer, world)
+        streamed = stream_ranks(data.lengths.tolist(), data.budget, data.cost, buffer, world)
         for method, plan in (("map-style", planned), ("stream", streamed)):
             stats = batch_stats(plan, data.lengths, data.cost, data.budget)
             rows.append(
