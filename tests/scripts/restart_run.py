@@ -45,33 +45,20 @@ from typing import Any  # noqa: E402
 
 import torch  # noqa: E402
 from accelerate import Accelerator  # noqa: E402
+
+# The data and model of accelerate_checkpoint.py (beside this script): 240 ids of lengths 3 to 55.
+from accelerate_checkpoint import LENGTHS, Model, collate  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 from tokenbatch import OOMFallback, TokenBudgetBatchSampler  # noqa: E402
 from tokenbatch.integrations.accelerate import finish, last_checkpoint, save_checkpoint  # noqa: E402
 from tokenbatch.testing import inject_oom  # noqa: E402
 
-LENGTHS = [3 + (i * 37) % 53 for i in range(240)]
 MAX_TOKENS = 320
 LIMIT = 250  # padded tokens a batch may have on this "machine": one OOM early in epoch 0
 EPOCHS = 2
 EVERY = 4  # steps between checkpoints
 NAIVE = os.environ.get("RESTART_NAIVE") == "1"
-
-
-def collate(ids: list[int]) -> dict[str, torch.Tensor]:
-    longest = max(LENGTHS[i] for i in ids)
-    return {"input_ids": torch.tensor([[i] * longest for i in ids]), "ids": torch.tensor(ids)}
-
-
-class Model(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.embed = torch.nn.Embedding(len(LENGTHS), 4)
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.embed(input_ids).square().mean()
 
 
 class Tripwire:
