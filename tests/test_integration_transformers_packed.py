@@ -155,7 +155,6 @@ def test_flattening_collator_trains_packs_with_the_loss_of_the_same_examples_pad
     assert packed["losses"] == pytest.approx(plain["losses"], abs=1e-5)
 
 
-@pytest.mark.skip(reason="the guard reads a flattened batch as one sample until branch packguard lands")
 def test_flattening_collator_halve_after_out_of_memory_in_backward_trains_each_example_once(
     runs: Any,
 ) -> None:

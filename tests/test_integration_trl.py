@@ -39,6 +39,7 @@ import trl_common as tc  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 MAX_TOKENS, OOM_LIMIT, MAX_LENGTH, CHECKPOINT = 400.0, 200.0, 40, 2
+RUNS_2P = ("plain", "budget", "split", "halve")
 
 
 def once(run: dict[str, Any]) -> tuple[int, int]:
@@ -71,6 +72,7 @@ def runs(emotion_data_dir: Path, minilm_path: str, tmp_path_factory: pytest.Temp
         "packed": {"packed": "full", "save_at": CHECKPOINT},
         "packed_resumed": {"packed": "full", "resume": str(out / "packed" / f"checkpoint-{CHECKPOINT}")},
         "packed_halve": {"packed": "full", "oom": {"max_tokens": OOM_LIMIT}, "oom_mode": "halve"},
+        "packed_split": {"packed": "full", "oom": {"max_tokens": OOM_LIMIT, "where": "backward"}},
     }
     done: dict[str, Any] = {}
 
@@ -156,7 +158,15 @@ def test_padding_free_trains_each_example_once_with_the_loss_of_the_same_batches
     assert len(packed["steps"]) < len(runs("budget")["steps"])  # no padding: more examples per budget
 
 
-@pytest.mark.skip(reason="the guard reads a flattened batch as one sample until branch packguard lands")
+def test_padding_free_split_after_out_of_memory_in_backward_keeps_the_loss(runs: Any) -> None:
+    plain, split = runs("packed_plain"), runs("packed_split")
+    assert split["injected"] > 0 and split["events"]
+    assert "backward" in split["events"][0] and "micro-batches" in split["events"][0]
+    once(split)
+    assert split["steps"] == plain["steps"]  # the same packs, each run as smaller packs
+    assert split["losses"] == pytest.approx(plain["losses"], abs=1e-5)
+
+
 def test_padding_free_halve_after_out_of_memory_in_forward_trains_each_example_once(runs: Any) -> None:
     halve = runs("packed_halve")
     assert halve["injected"] > 0 and "re-planned" in halve["events"][0] and "forward" in halve["events"][0]
@@ -264,3 +274,26 @@ def test_two_processes(torchrun: Any, emotion_data_dir: Path, minilm_path: str, 
     assert split["eval_loss_oom"] == pytest.approx(split["eval_loss"], abs=1e-5)
     assert "rank 0 (backward)" in halve["events"][0] and "re-planned" in halve["events"][0]
     assert halve["injected"] > 0
+
+
+@pytest.mark.slow
+def test_two_processes_padding_free(
+    torchrun: Any, emotion_data_dir: Path, minilm_path: str, tmp_path: Path
+) -> None:
+    """The same runs with packs: out of memory in forward on rank 1 (split), in backward on rank 0 (halve)."""
+    args = (SCRIPTS / "trl_ddp.py", emotion_data_dir, minilm_path, tmp_path, "packed")
+    torchrun(*args, env={"ACCELERATE_USE_CPU": "1"})
+    result = {name: json.loads((tmp_path / f"{name}.json").read_text()) for name in RUNS_2P}
+    plain, budget, split, halve = (result[name] for name in RUNS_2P)
+    assert budget["packing"] == split["packing"] == halve["packing"] == "full"
+    counts = {name: once(run) for name, run in result.items()}
+    assert len(set(counts.values())) == 1
+    assert budget["steps"] == plain["steps"] and len(plain["steps"]) >= 2
+    assert budget["losses"] == pytest.approx(plain["losses"], abs=1e-5)
+    assert "rank 1 (forward)" in split["events"][0] and "micro-batches" in split["events"][0]
+    assert split["steps"] == plain["steps"]
+    assert split["losses"] == pytest.approx(plain["losses"], abs=1e-5)
+    assert split["eval_loss_oom"] == pytest.approx(split["eval_loss"], abs=1e-5)
+    assert budget["eval_loss"] == pytest.approx(split["eval_loss"], abs=1e-5)
+    assert "rank 0 (backward)" in halve["events"][0] and "re-planned" in halve["events"][0]
+    assert halve["injected"] > 0 and len(halve["steps"]) > len(budget["steps"])
