@@ -187,3 +187,17 @@ def test_the_cost_follows_the_collator_and_the_attention(minilm_path: str) -> No
         layout_cost(CostModel(), flat, model)
     with pytest.raises(ValueError, match=r"cost should be padded \(packing=None\).*DataCollatorWithPadding"):
         layout_cost(given, DataCollatorWithPadding(tok), model)
+
+
+def test_lr_scaling_counts_a_packs_examples_and_tokens() -> None:
+    import torch
+    from transformers import DataCollatorWithFlattening
+
+    from tokenbatch.integrations.transformers._lr import StepScaling
+
+    pack = DataCollatorWithFlattening()([{"input_ids": [5] * n} for n in (3, 7, 2)])
+    for by, expected in (("samples", 3), ("tokens", 12)):
+        scaling = StepScaling("linear", by, 10.0, sampler=lambda: None)
+        scaling.count(pack)  # one row, no attention_mask: its examples and their tokens
+        scaling.count({"attention_mask": torch.ones(2, 4, dtype=torch.long)})  # 2 padded rows, 8 tokens
+        assert scaling._count == expected + (2 if by == "samples" else 8)
