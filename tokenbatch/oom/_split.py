@@ -219,11 +219,11 @@ def plan_packs(
     batch's order.
 
     Example:
-        >>> cost = CostModel(packing="varlen")
-        >>> [g.tolist() for g in plan_packs(np.array([6, 2, 5, 3, 4]), cost, 10.0)]  # 10 tokens each
-        [[0, 3], [1, 2, 4]]
-        >>> [g.tolist() for g in plan_packs(np.array([6, 2, 5, 3, 4]), cost, 12.0, fill=True)]
-        [[0, 2], [1, 3, 4]]
+        >>> cost, lengths = CostModel(packing="varlen"), np.array([4, 4, 4, 4, 1, 1])
+        >>> [g.tolist() for g in plan_packs(lengths, cost, 12.0)]  # dealt out: 9 tokens each
+        [[0, 2, 4], [1, 3, 5]]
+        >>> [g.tolist() for g in plan_packs(lengths, cost, 12.0, fill=True)]  # first fit: 12 and 6
+        [[0, 1, 2], [3, 4, 5]]
     """
     lengths = np.asarray(lengths, dtype=np.int64)
     order = np.argsort(-lengths, kind="stable")
