@@ -22,7 +22,7 @@ from pathlib import Path
 
 from benchmarks import common, report
 
-MODULES = ("padding", "planning", "training", "oom_recovery", "probe", "gpu", "streaming")
+MODULES = ("padding", "planning", "training", "oom_recovery", "probe", "gpu", "streaming", "packing")
 HERE = Path(__file__).resolve().parent
 
 

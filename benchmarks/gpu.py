@@ -17,7 +17,12 @@ its reason and the next one runs:
    a GradScaler where bf16 is missing): tokens/s, peak memory, steps/epoch,
    recovery from one injected OOM;
 4. **DDP** (2+ GPUs): ``benchmarks.ddp_overlap --device cuda``, the guard's
-   overlapped path and its average-after path against plain DDP.
+   overlapped path and its average-after path against plain DDP;
+5. **packing**: a Llama (8 layers, hidden 1024) in bf16 on padded batches,
+   tokenbatch's packs and TRL's padding-free fixed count, each under the same
+   budget of 16384 tokens, with flash-attention 2's varlen kernel where
+   ``flash_attn`` is installed (else sdpa, and the section says so):
+   ``benchmarks.packing.gpu_rows``.
 
 Without CUDA it exits 0 with a report saying so. ``--device cpu --tiny``
 runs every section with tiny models and a simulated memory limit (the
@@ -40,7 +45,7 @@ from typing import Any
 
 import torch
 
-from benchmarks import common
+from benchmarks import common, packing
 from benchmarks import gpu_runs as runs
 
 SEED_START = 2048
@@ -208,6 +213,7 @@ def ddp(setup: runs.Setup, sections: Sections) -> dict[str, Any]:
 COLUMNS = ["method", "model", "precision", "batch", "restarts", "seconds_to_settle", "probe_s"]
 COLUMNS += ["steps_per_epoch"]
 COLUMNS += ["real_tokens_per_s", "median_step_s", "recovery_s", "peak_memory_fraction"]
+COLUMNS += ["attention", "fill"]
 DDP_COLUMNS = ["model", "arm", "median step ms", "vs plain DDP"]
 
 
@@ -277,6 +283,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         needs_s=30,
     )
     sections.run("DDP: guard vs plain DDP, 2 GPUs", lambda: ddp(setup, sections), needs_s=40)
+    sections.run(
+        "packing: padded, packed and a fixed count, Llama, flash-attention varlen",
+        lambda: packing.gpu_rows(setup.device, setup.lengths, 64 if tiny else 16384, tiny=tiny),
+        needs_s=60,
+    )
     for name, other in (("minilm", precision), ("bert-base", "fp32"), ("minilm", "fp32")):
         sections.run(f"precision: {name}, {other}", lambda n=name, o=other: budgeted(n, setup, o), needs_s=25)  # type: ignore[misc]
     info = common.machine_info()

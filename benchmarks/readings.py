@@ -192,6 +192,53 @@ def read_lhotse(data: dict[str, Any]) -> str:
     return "\n\n".join(lines)
 
 
+def read_packing(data: dict[str, Any]) -> str:
+    """Padding-free batchings side by side: fill, truncation, steps, balance and speed, per data set."""
+    rows = [r for r in data["rows"] if "skipped" not in r]
+    lines = []
+    synthetic = [name for name, d in data["datasets"].items() if d["source"].startswith("SYNTHETIC")]
+    if synthetic:
+        lines.append(f"**Synthetic stand-ins, not the real data: {', '.join(synthetic)}.**")
+    for name, info in data["datasets"].items():
+        one = {r["method"]: r for r in rows if r["dataset"] == name and r["processes"] == 1}
+        two = {r["method"]: r for r in rows if r["dataset"] == name and r["processes"] == 2}
+        ours, bfd = one.get("tokenbatch_packed"), one.get("trl_bfd")
+        if ours is None:
+            continue
+        text = (
+            f"- {name} (B={info['budget']}): tokenbatch's packs fill {ours['fill']:.3f} of the budget in "
+            f"{ours['steps']} steps, padded batches {one['tokenbatch_padded']['fill']:.3f}"
+        )
+        if bfd is not None:
+            text += (
+                f"; TRL's bfd {bfd['fill']:.3f} in {bfd['steps']} steps, truncating "
+                f"{bfd['truncated']:.2%} of the tokens, the same packs every epoch"
+            )
+        fixed = one.get("trl_padding_free")
+        if fixed is not None:
+            text += f"; a fixed count ({fixed['batch']}) fills {fixed['fill']:.3f} in {fixed['steps']} steps"
+        packed2 = two.get("tokenbatch_packed")
+        if packed2 is not None:
+            others = [
+                f"{m} {r['balance_L2']:.3g}"
+                for m, r in two.items()
+                if m != "tokenbatch_packed" and "balance_L2" in r
+            ]
+            text += (
+                f". On 2 ranks, the largest rank's attention work over the mean: {packed2['balance_L2']:.3g} "
+                f"for tokenbatch (tokens {packed2['balance_L']:.3g}), against " + ", ".join(others)
+            )
+        speeds = {m: r["tokens_per_s"] for m, r in two.items() if "tokens_per_s" in r}
+        if speeds and "tokenbatch_packed" in speeds:
+            best = max(speeds, key=speeds.get)  # type: ignore[arg-type]
+            text += (
+                f". Training on CPU (2 processes): {speeds['tokenbatch_packed']:,.0f} real tokens/s packed, "
+                f"{speeds.get('tokenbatch_padded', float('nan')):,.0f} padded; fastest {best}"
+            )
+        lines.append(text + ".")
+    return "\n".join(lines)
+
+
 def _span_of(values: list[float]) -> str:
     if not values:
         return "n/a"
@@ -202,6 +249,7 @@ def _span_of(values: list[float]) -> str:
 READERS = {"padding": read_padding, "planning": read_planning, "gpu": read_gpu}
 READERS["ddp_overlap"] = read_ddp_overlap
 READERS["lhotse_compare"] = read_lhotse
+READERS["packing"] = read_packing
 
 
 def headline(results: dict[str, dict[str, Any]]) -> str:

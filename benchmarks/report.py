@@ -27,6 +27,7 @@ MODULES = (
     "planning",
     "streaming",
     "lhotse_compare",
+    "packing",
     "training",
     "lr_scaling",
     "trainer_lr",
@@ -46,6 +47,7 @@ TITLES = {
     "planning": "Planning speed",
     "streaming": "Streaming (TokenBudgetStream)",
     "lhotse_compare": "Against lhotse",
+    "packing": "Padding-free packing: against TRL, transformers and axolotl",
     "training": "Training throughput (CPU)",
     "lr_scaling": "The seed's learning rate, scaled per step (CPU)",
     "trainer_lr": "The seed's learning rate, scaled per step, in TokenBudgetTrainer (CPU)",
@@ -218,7 +220,40 @@ def plot_lhotse(data: dict[str, Any], out: Path) -> list[str]:
     return ["lhotse_compare.png"]
 
 
+def plot_packing(data: dict[str, Any], out: Path) -> list[str]:
+    """Fill (1 rank), attention balance and real tokens/s (2 ranks) per method, a bar per data set."""
+    plt = _pyplot()
+    rows = [r for r in data["rows"] if "skipped" not in r]
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    names = list(data["datasets"])
+    panels = (
+        ("fill", 1, "fill: real tokens / budget (1 rank)"),
+        ("balance_L2", 2, "largest / mean rank, attention work (2 ranks)"),
+        ("tokens_per_s", 2, "real tokens/s, CPU (2 processes)"),
+    )
+    panels = tuple(p for p in panels if any(p[0] in r for r in rows))
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels), 4.2), squeeze=False)
+    width = 0.8 / max(1, len(names))
+    for ax, (key, ranks, title) in zip(axes[0], panels, strict=True):
+        for number, name in enumerate(names):
+            pick = {r["method"]: r for r in rows if r["dataset"] == name and r["processes"] == ranks}
+            values = [pick[m].get(key, 0.0) if m in pick else 0.0 for m in methods]
+            ax.bar([i + number * width for i in range(len(methods))], values, width, label=name)
+        if key == "balance_L2":
+            ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
+        ax.set_xticks([i + width * (len(names) - 1) / 2 for i in range(len(methods))])
+        ax.set_xticklabels(methods, rotation=35, ha="right", fontsize=7)
+        ax.set_title(title, fontsize=10)
+        ax.grid(alpha=0.3, axis="y")
+    axes[0][0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "packing.png", dpi=90)
+    plt.close(fig)
+    return ["packing.png"]
+
+
 PLOTTERS = {"padding": plot_padding, "planning": plot_planning, "lhotse_compare": plot_lhotse}
+PLOTTERS["packing"] = plot_packing
 
 
 def variants(results_dir: Path, name: str) -> list[Path]:

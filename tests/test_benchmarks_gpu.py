@@ -84,5 +84,10 @@ def test_every_section_runs_or_says_why_on_the_cpu(tmp_path: Path) -> None:
     trained = [s for s in data["sections"] if s["name"].startswith("precision") and s["status"] == "ok"]
     assert trained and all(s["rows"][0]["real_tokens_per_s"] > 0 for s in trained)
     assert all(s["rows"][0]["events"] for s in trained if "recovery_s" in s["rows"][0])
+    packing = by_name["packing: padded"]
+    assert packing["status"] == "ok", packing.get("reason")
+    methods = {r["method"]: r for r in packing["rows"]}
+    assert set(methods) == {"trl_padding_free", "tokenbatch_padded", "tokenbatch_packed"}
+    assert all(r["real_tokens_per_s"] > 0 and r["attention"] == "sdpa" for r in methods.values())
     page = (tmp_path / "gpu.md").read_text()
     assert page.startswith("Command: `python -m benchmarks.gpu") and "TINY models" in page

@@ -23,7 +23,9 @@ import trl_common as tc  # noqa: E402
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "padding_free"])
 def test_the_example_fine_tunes_a_local_model(
+    packed: bool,
     emotion_slice: Callable[[int, int], Path],
     minilm_path: str,
     tmp_path: Path,
@@ -38,7 +40,8 @@ def test_the_example_fine_tunes_a_local_model(
     spec.loader.exec_module(example)
     monkeypatch.chdir(tmp_path)
     argv = ["--model_name", str(model_dir), "--data_dir", str(data_dir), "--output_dir", "out"]
-    example.main([*argv, "--max_length", "64", "--max_tokens", "400", "--learning_rate", "1e-3"])
+    argv += ["--max_length", "64", "--max_tokens", "400", "--learning_rate", "1e-3"]
+    example.main([*argv, *(["--padding_free"] if packed else [])])
     (line,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith('{"train_loss"')]
     metrics = json.loads(line)
     assert math.isfinite(metrics["train_loss"]) and math.isfinite(metrics["eval_loss"])

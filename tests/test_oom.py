@@ -232,7 +232,7 @@ def test_arguments_are_checked(options: dict[str, Any], match: str) -> None:
 
 def test_micro_batch_options_are_checked_and_unknown_keywords_refused() -> None:
     sampler = TokenBudgetBatchSampler(LENGTHS, 256)
-    with pytest.raises(ValueError, match="weight should be 'samples', 'tokens' or a function"):
+    with pytest.raises(ValueError, match="weight should be 'samples', 'tokens', a function or None"):
         OOMFallback(sampler, tiny_bert(0), weight="rows")
     assert OOMFallback(sampler, tiny_bert(0), weight="tokens").mode == "split"
     assert OOMFallback(sampler, tiny_bert(0), mode="halve", pad_token_id=0).mode == "halve"

@@ -19,7 +19,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "tokenbatch"
 # Lowest first. A module's layer is that of the longest prefix listed.
 LAYERS = [
     ["tokenbatch._checks", "tokenbatch._distributed", "tokenbatch._accelerate"],
-    ["tokenbatch.cost", "tokenbatch._lr", "tokenbatch.lengths"],
+    ["tokenbatch.cost", "tokenbatch._lr", "tokenbatch.lengths", "tokenbatch._packs"],
     ["tokenbatch.plan", "tokenbatch.testing"],
     ["tokenbatch.sampler", "tokenbatch.stream", "tokenbatch.compare"],
     ["tokenbatch.oom"],

@@ -79,3 +79,20 @@ def test_python_still_lets_a_filter_be_removed_by_hand() -> None:
         _upstream.warnings_changed()
         warnings.warn("muted for a moment", UserWarning, stacklevel=1)
     assert len(caught) == 1
+
+
+def test_transformers_configs_still_say_which_attention_runs() -> None:
+    pytest.importorskip("transformers")
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2
+    )
+    for kernel in ("eager", "sdpa"):
+        model = LlamaForCausalLM(LlamaConfig(**config.to_dict(), attn_implementation=kernel))
+        assert _upstream.attention_implementation(model) == kernel, (
+            "a model's config._attn_implementation no longer names its attention kernel: a padding-free "
+            "trainer cannot tell per-example (flash, flex) from whole-row (eager, sdpa) attention costs "
+            "(_upstream.attention_implementation)"
+        )
+    assert _upstream.attention_implementation(torch.nn.Linear(2, 2)) is None

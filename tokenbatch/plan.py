@@ -229,7 +229,9 @@ class Plan:
         return longest
 
     def batch_costs(self, lengths: np.ndarray, cost: CostModel) -> np.ndarray:
-        """Each batch's cost: its size times the cost of its longest sample alone."""
+        """Each batch's cost: its size times the cost of its longest sample alone, or its pack's cost."""
+        if cost.packing is not None:
+            return cost.batch_costs(lengths[self.order], self.offsets)
         costs: np.ndarray = self.batch_sizes() * cost.sample_cost(self.batch_longest(lengths))
         return costs
 
@@ -327,6 +329,7 @@ def plan_batches(
     drop_last: bool = False,
     oversize: str = "error",
     admitted: float | None = None,
+    cost: CostModel | None = None,
 ) -> Plan:
     """Plan batches for the samples ``indices`` under ``budget``.
 
@@ -347,6 +350,9 @@ def plan_batches(
             ``admitted`` gets a batch of its own, whatever ``oversize`` says:
             the budget it was admitted under, since lowered (a re-plan after
             out-of-memory), has not shown that it does not fit alone.
+        cost: the cost model ``unit`` comes from; with ``cost.packing`` the
+            batches are packs (whole examples in one row) and ``keys`` are the
+            examples' lengths.
 
     Raises:
         OversizeSampleError: a sample alone exceeds the budget (and ``admitted``)
@@ -376,6 +382,20 @@ def plan_batches(
         else:
             alone = np.concatenate([alone, worst])
         indices = indices[~too_big]
+
+    if cost is not None and cost.packing is not None:
+        return _plan_packs(
+            indices,
+            alone,
+            skipped,
+            keys,
+            budget,
+            cost,
+            rng=rng,
+            num_replicas=num_replicas,
+            max_batch_size=max_batch_size,
+            drop_last=drop_last,
+        )
 
     if rng is None:
         order = indices[np.argsort(_small_int(keys[indices]), kind="stable")]
@@ -434,6 +454,74 @@ def plan_batches(
     starts, sizes = starts[batch_order], sizes[batch_order]
     offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
     return Plan(_gather_segments(order, starts, sizes), offsets, num_replicas, skipped, dropped)
+
+
+def _plan_packs(
+    indices: np.ndarray,
+    alone: np.ndarray,
+    skipped: np.ndarray,
+    lengths: np.ndarray,
+    budget: float,
+    cost: CostModel,
+    *,
+    rng: np.random.Generator | None,
+    num_replicas: int,
+    max_batch_size: int | None,
+    drop_last: bool,
+) -> Plan:
+    """Packs of whole examples, each within ``budget``: :func:`plan_batches` with ``cost.packing``.
+
+    A first version: examples in random order, each pack filled until the next
+    example does not fit (next fit).
+    """
+    order = indices if rng is None else rng.permutation(indices)
+    cap = len(order) if max_batch_size is None else max_batch_size
+    sizes: list[int] = []
+    count = 0
+    total = 0
+    squares = 0.0
+    for length in lengths[order].tolist():
+        if count:
+            row = float(cost.padded_length(total + length))
+            area = squares + length * length if cost.packing == "varlen" else row * row
+            if (
+                count < cap
+                and cost.linear * row + cost.quadratic * area + cost.per_sample * (count + 1) <= budget
+            ):
+                count, total, squares = count + 1, total + length, squares + length * length
+                continue
+            sizes.append(count)
+        count, total, squares = 1, length, float(length * length)
+    if count:
+        sizes.append(count)
+    order = np.concatenate([order, alone]).astype(np.int64)
+    size_array = np.concatenate([np.asarray(sizes, np.int64), np.ones(len(alone), np.int64)])
+    starts = np.cumsum(size_array) - size_array
+    dropped = np.empty(0, np.int64)
+    if len(size_array) % num_replicas:
+        split = None if drop_last else _split_to_multiple(starts, size_array, num_replicas, 1)
+        if split is not None:
+            starts, size_array = split
+        elif drop_last:
+            costs = cost.batch_costs(lengths[order], np.append(starts, len(order)))
+            cheapest = np.argsort(costs, kind="stable")[: len(size_array) % num_replicas]
+            keep = np.ones(len(size_array), bool)
+            keep[cheapest] = False
+            dropped = _gather_segments(order, starts[~keep], size_array[~keep])
+            starts, size_array = starts[keep], size_array[keep]
+        else:
+            raise ValueError(
+                f"cannot give each of num_replicas={num_replicas} ranks the same number of "
+                f"packs: {int(size_array.sum())} samples need {len(size_array)} packs under "
+                f"max_tokens={budget:g}, and splitting them would leave a pack empty; "
+                f"use drop_last=True, a larger max_tokens, or fewer processes"
+            )
+    gathered = _gather_segments(order, starts, size_array)
+    offsets = np.concatenate([[0], np.cumsum(size_array)]).astype(np.int64)
+    batch_order = _arrange_steps(cost.batch_costs(lengths[gathered], offsets), num_replicas, rng)
+    starts, size_array = (offsets[:-1])[batch_order], size_array[batch_order]
+    offsets = np.concatenate([[0], np.cumsum(size_array)]).astype(np.int64)
+    return Plan(_gather_segments(gathered, starts, size_array), offsets, num_replicas, skipped, dropped)
 
 
 def _arrange_steps(costs: np.ndarray, num_replicas: int, rng: np.random.Generator | None) -> np.ndarray:
@@ -527,6 +615,8 @@ class Planner:
     oversize: str
     admitted: float | None = None
     """The budget ``oversize`` is judged against: under a lower one, a sample within it goes alone."""
+    cost: CostModel | None = None
+    """The cost model; with ``packing``, the batches are packs and ``keys`` the examples' lengths."""
 
     def plan(self, epoch: int, history: History, world: int, *, names: Sequence[str] | None = None) -> Plan:
         """The plan of ``epoch`` after ``history``, on ``world`` ranks where the history does not say.
@@ -578,6 +668,7 @@ class Planner:
             drop_last=self.drop_last,
             oversize=self.oversize,
             admitted=self.admitted,
+            cost=self.cost,
         )
         if len(plan.skipped):
             logger.warning(
@@ -679,7 +770,11 @@ def batch_stats(
     if len(sizes) == 0:
         return PlanStats(len(lengths), 0, 0, 0.0, 0.0, 0.0, 0.0, 0.0, 0, skipped, dropped)
     longest = plan.batch_longest(lengths)
-    costs = sizes * cost.sample_cost(longest)
+    costs = plan.batch_costs(lengths, cost)
+    if cost.packing is None:
+        tokens = sizes * cost.padded_length(longest)
+    else:  # one row per pack, its length rounded up
+        tokens = cost.padded_length(np.add.reduceat(lengths[plan.order], plan.offsets[:-1]))
     steps = -(-len(costs) // world)
     padded = np.zeros(steps * world)  # a partial last step, filled with batches that cost nothing
     padded[: len(costs)] = costs
@@ -690,7 +785,7 @@ def batch_stats(
         num_samples=len(lengths),
         num_batches=len(sizes),
         num_steps=steps,
-        padding_efficiency=float(lengths[plan.order].sum() / (sizes * cost.padded_length(longest)).sum()),
+        padding_efficiency=float(lengths[plan.order].sum() / tokens.sum()),
         cost_efficiency=float(unit[plan.order].sum() / costs.sum()),
         # One budget: divide the mean once (the benchmarks' figures were computed so).
         mean_budget_use=float(costs.mean() / budget if np.ndim(budget) == 0 else use.mean()),

@@ -153,7 +153,9 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
         if self._num_replicas is not None:
             _check_rank(self.rank, self._num_replicas)
         # Sort keys and per-sample costs are computed once for the dataset.
-        self._keys = np.asarray(self.cost.padded_length(self.lengths), dtype=np.int64)
+        # Packs sort by the examples' own lengths: only a pack's row is rounded to pad_to_multiple_of.
+        keys = self.lengths if self.cost.packing is not None else self.cost.padded_length(self.lengths)
+        self._keys = np.asarray(keys, dtype=np.int64)
         self._unit = _per_sample_costs(self.cost, self._keys)
         # The budget: NaN until resolved ("auto"); every path that plans calls _need_budget() first.
         self._max_tokens = self._admitted = math.nan  # in force; the one oversize is judged against
@@ -275,6 +277,7 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
             self.drop_last,
             self.oversize,
             self._admitted,
+            self.cost,
         )
         return planner.plan(epoch, history, world, names=names)
 
@@ -491,8 +494,10 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
     def _settings(self) -> dict[str, Any]:
         """The settings a resumed sampler must share (the plan depends on them), JSON-ready."""
         cost = self.cost
+        terms: list[Any] = [cost.linear, cost.quadratic, cost.per_sample, cost.pad_to_multiple_of]
         return {
-            "cost": [cost.linear, cost.quadratic, cost.per_sample, cost.pad_to_multiple_of],
+            # A padded sampler's settings are what they were before packing existed: its checkpoints resume.
+            "cost": terms if cost.packing is None else [*terms, cost.packing],
             "shuffle": self.shuffle,
             "seed": self.seed,
             "max_batch_size": self.max_batch_size,

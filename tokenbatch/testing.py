@@ -1,8 +1,9 @@
 """Fault injection: rehearse your out-of-memory path on any machine, GPU or not.
 
 :func:`inject_oom` makes a model raise a real ``torch.OutOfMemoryError`` (or
-the CPU allocator's ``RuntimeError``) whenever a batch's padded size exceeds
-a limit, in the forward or in the backward pass, on the ranks you choose.
+the CPU allocator's ``RuntimeError``) whenever a batch's padded size (or a
+pack's cost) exceeds a limit, in the forward or in the backward pass, on the
+ranks you choose.
 The error comes from inside the model call (a forward pre-hook) or from
 inside autograd (a gradient hook on the first parameter, so most of the
 backward pass has already run), exactly where a real one would.
@@ -21,6 +22,7 @@ from torch.utils.hooks import RemovableHandle
 
 from tokenbatch import _checks
 from tokenbatch import _distributed as distributed
+from tokenbatch._packs import packed_examples
 from tokenbatch.cost import CostModel
 
 __all__ = ["inject_oom"]  # it returns an OOMInjector (its count, remove())
@@ -108,6 +110,7 @@ class OOMInjector:
         self.times = None if times is None else _checks.positive_int("times", times)
         self.after = _checks.non_negative_int("after", after)
         self.cost = _as_cost(cost)
+        self._tokens = cost is None  # the default counts the tensor's tokens, padded or packed
         self.count = 0
         self.calls = 0
         self.costs: list[float] = []
@@ -147,7 +150,11 @@ class OOMInjector:
         if shape is None:
             return None
         rows, length = shape
-        batch_cost = float(self.cost.cost(rows, length))
+        packed = None if self._tokens else packed_examples(kwargs)
+        if packed is not None:  # a flattened batch: its examples' lengths, costed as the cost model says
+            batch_cost = self.cost.batch_cost(packed.lengths)
+        else:
+            batch_cost = float(self.cost.cost(rows, length))
         self.calls += 1
         self.costs.append(batch_cost)
         self._armed = None
@@ -204,6 +211,9 @@ def inject_oom(
         max_tokens: the limit; a model call whose (rows, padded length) costs
             more raises. The batch shape is read from ``attention_mask``,
             ``input_ids`` or ``inputs_embeds``, else the first 2-D tensor argument.
+            With ``cost``, a flattened batch (a pack: ``position_ids`` restarting per
+            example and no ``attention_mask``, as ``DataCollatorWithFlattening``
+            collates it) costs ``cost.batch_cost`` of its examples' lengths.
         where: ``"forward"`` raises before the model runs; ``"backward"``
             raises from autograd when the first parameter's gradient is
             computed, near the end of the backward pass.
@@ -214,7 +224,8 @@ def inject_oom(
         cost: how a batch is costed: pass the sampler (or stream) feeding the
             model, or its ``CostModel``, to rehearse in the budget's own units,
             the rule growth assumes memory follows (see docs/oom.md, Growth).
-            Default: padded tokens, rows x length (the default sampler's cost).
+            Default: padded tokens, rows x length (the default sampler's cost; a
+            pack's row: its tokens).
         kind: ``"cuda"`` raises ``torch.OutOfMemoryError``; ``"cpu"`` raises the
             ``RuntimeError`` of PyTorch's CPU allocator.
     """

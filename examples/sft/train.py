@@ -28,6 +28,7 @@ def parse_args(argv: list[str] | None = None) -> Namespace:
     add("--output_dir", default="sft-emotion", help="checkpoints, one per epoch")
     add("--max_length", type=int, default=256, help="truncate prompt and completion to this many tokens")
     add("--max_tokens", type=float, default=8192, help="budget per batch and process, in padded tokens")
+    add("--padding_free", action="store_true", help="batches are packs of whole examples in one row")
     add("--oom_mode", choices=("split", "halve"), default="split", help="on OOM: split, or halve the budget")
     add("--learning_rate", type=float, default=2e-5, help="for 8 texts per process, scaled to each step")
     add("--num_epochs", type=int, default=1, help="epochs to train")
@@ -66,6 +67,7 @@ def main(argv: list[str] | None = None) -> None:
         learning_rate=args.learning_rate,
         per_device_train_batch_size=8,  # not a batch: the step size learning_rate suits (lr_scaling)
         max_length=args.max_length,
+        padding_free=args.padding_free,  # packs: the budget counts real tokens (docs/trl.md)
         eval_strategy="epoch",
         save_strategy="epoch",
         logging_steps=10,

@@ -8,9 +8,9 @@ package) with an end-of-sequence token and a chat template, the model a
 Which examples each optimizer step trained is read from the gradients, as in
 ``trainer_common.py``: a ``marks`` parameter (one per example) adds
 ``marks[idx] - marks[idx].detach()`` (zero) to the token embeddings of each
-row, so ``marks.grad`` is non-zero exactly at the examples whose gradient
-reached the optimizer step. A failed attempt's gradient is dropped and leaves
-no mark.
+row (of each token, in a padding-free batch: every example in one row), so
+``marks.grad`` is non-zero exactly at the examples whose gradient reached the
+optimizer step. A failed attempt's gradient is dropped and leaves no mark.
 """
 
 from __future__ import annotations
@@ -139,7 +139,8 @@ def add_marks(model: torch.nn.Module, count: int) -> torch.nn.Parameter:
         if idx is None:
             return output
         picked = marks[idx.to(marks.device)]
-        return output + (picked - picked.detach()).to(output.dtype)[:, None, None]
+        mark = (picked - picked.detach()).to(output.dtype)
+        return output + (mark[..., None] if idx.dim() == 2 else mark[:, None, None])  # per token, or row
 
     model.register_forward_pre_hook(take_idx, with_kwargs=True, prepend=True)
     model.get_input_embeddings().register_forward_hook(mark)
@@ -147,14 +148,24 @@ def add_marks(model: torch.nn.Module, count: int) -> torch.nn.Parameter:
 
 
 class WithIdx:
-    """A collator that passes each example's ``idx`` on to the model, next to what ``collator`` returns."""
+    """A collator that passes each example's ``idx`` on to the model, next to what ``collator`` returns.
+
+    A padding-free batch (one row, ``position_ids``, no ``attention_mask``) gets
+    the ``idx`` of each token's example, in the same (1, tokens) shape.
+    """
 
     def __init__(self, collator: Any) -> None:
         self.collator = collator
 
     def __call__(self, examples: list[dict[str, Any]]) -> Any:
         batch = self.collator(examples)
-        batch["idx"] = torch.tensor([example["idx"] for example in examples])
+        idx = torch.tensor([example["idx"] for example in examples])
+        if "position_ids" in batch and "attention_mask" not in batch:
+            lengths = torch.tensor([len(example["input_ids"]) for example in examples])
+            per_token = torch.repeat_interleave(idx, lengths)
+            width = batch["input_ids"].shape[1]  # pad_to_multiple_of: the last example's idx on the padding
+            idx = torch.cat([per_token, per_token[-1:].expand(width - len(per_token))])[None]
+        batch["idx"] = idx
         return batch
 
 
@@ -200,10 +211,10 @@ def config(output_dir: str | Path, **overrides: Any) -> Any:
     return SFTConfig(str(output_dir), **settings)
 
 
-def collator(tok: Any) -> WithIdx:
+def collator(tok: Any, *, padding_free: bool = False) -> WithIdx:
     from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
-    return WithIdx(DataCollatorForLanguageModeling(pad_token_id=tok.pad_token_id))
+    return WithIdx(DataCollatorForLanguageModeling(pad_token_id=tok.pad_token_id, padding_free=padding_free))
 
 
 class SaveAt(TrainerCallback):  # type: ignore[misc]
@@ -217,11 +228,12 @@ class SaveAt(TrainerCallback):  # type: ignore[misc]
             control.should_save = True
 
 
-def same_batches_trainer(max_tokens: float) -> Any:
+def same_batches_trainer(max_tokens: float, cost: Any = None) -> Any:
     """A plain ``SFTTrainer`` trained on the batches a token budget plans for epoch 0, and nothing else.
 
     Its DataLoader is Trainer's usual one, over the list of the plan's batches
-    (accelerate shares them out by rank as it does the budget's sampler).
+    (accelerate shares them out by rank as it does the budget's sampler), padded
+    by its collator; ``cost``: the budget's cost model (a packed one plans packs).
     """
     from torch.utils.data import DataLoader
     from trl import SFTTrainer
@@ -233,7 +245,11 @@ def same_batches_trainer(max_tokens: float) -> Any:
         def get_train_dataloader(self) -> Any:
             lengths = column_lengths(self.train_dataset, "input_ids")
             plan = TokenBudgetBatchSampler(
-                lengths, max_tokens, seed=self.args.seed, num_replicas=self.accelerator.num_processes
+                lengths,
+                max_tokens,
+                cost=cost,
+                seed=self.args.seed,
+                num_replicas=self.accelerator.num_processes,
             )
             batches = list(plan)
             loader = DataLoader(self.train_dataset, batch_sampler=batches, collate_fn=self.data_collator)
@@ -254,32 +270,38 @@ def train(
     save_at: int | None = None,
     eval_data: Any = None,
     arguments: dict[str, Any] | None = None,
+    packed: str | None = None,
     **options: Any,
 ) -> dict[str, Any]:
     """One run on ``data``; what it trained: ``steps`` (idx per optimizer step), ``losses``, ``events``...
 
-    ``plain``: a plain SFTTrainer on the same batches; ``oom``: ``inject_oom`` keywords for training,
+    ``plain``: a plain SFTTrainer on the same batches (padded); ``packed``: the
+    packing of a padding-free run (``padding_free=True``; with ``plain``, the
+    padded run of its packs); ``oom``: ``inject_oom`` keywords for training,
     and then an evaluation with out-of-memory in its forward (``eval_loss_oom``).
     ``save_at``: a checkpoint after that optimizer step. ``dataset`` and ``eval_dataset`` in the
     result are what TRL prepared.
     """
+    from tokenbatch import CostModel
     from tokenbatch.integrations.trl import TokenBudgetSFTTrainer
     from tokenbatch.testing import inject_oom
 
     model = tiny_llama(len(tok))
     marks = add_marks(model, max(data["idx"]) + 1)  # TRL may have dropped rows
     record = recorder(marks)
+    padding_free = packed is not None and not plain
     kwargs: dict[str, Any] = {
         "model": model,
-        "args": config(output_dir, **(arguments or {})),
+        "args": config(output_dir, **{"padding_free": padding_free, **(arguments or {})}),
         "train_dataset": data,
         "eval_dataset": eval_data,
         "processing_class": tok,
-        "data_collator": collator(tok),
+        "data_collator": collator(tok, padding_free=padding_free),
         "callbacks": [record] if save_at is None else [record, SaveAt(save_at)],
     }
     if plain:
-        trainer = same_batches_trainer(max_tokens)(**kwargs)
+        cost = None if packed is None else CostModel(packing=packed)
+        trainer = same_batches_trainer(max_tokens, cost)(**kwargs)
     else:
         trainer = TokenBudgetSFTTrainer(**kwargs, max_tokens=max_tokens, **options)
     injector = None if oom is None else inject_oom(trainer.model, **oom)
@@ -289,6 +311,7 @@ def train(
     idx = [int(i) for i in trainer.train_dataset["idx"]]  # what TRL kept (it drops fully masked rows)
     result: dict[str, Any] = {
         "lengths": [int(n) for n in trainer.train_sampler.lengths] if not plain else [],
+        "packing": None if plain else trainer.token_cost.packing,
         "dataset": trainer.train_dataset,  # prepared by TRL: a later run skips its tokenization
         "eval_dataset": trainer.eval_dataset,
         "steps": record.steps,

@@ -1,13 +1,17 @@
 """TokenBudgetSFTTrainer on 2 processes (torchrun, CPU, gloo): the runs tests/test_integration_trl.py checks.
 
-Usage: torchrun --nproc_per_node 2 trl_ddp.py DATA_DIR MINILM_DIR OUT_DIR
+Usage: torchrun --nproc_per_node 2 trl_ddp.py DATA_DIR MINILM_DIR OUT_DIR [padded|packed]
 
 One after the other in the same processes, rank 0 writing ``OUT_DIR/<run>.json``:
 
-- ``plain``: trl.SFTTrainer on the batches the token budget plans (epoch 0);
+- ``plain``: trl.SFTTrainer on the batches the token budget plans (epoch 0), padded;
 - ``budget``: TokenBudgetSFTTrainer, no out-of-memory;
 - ``split``: split mode, out of memory in the forward pass on rank 1 only (and in evaluation);
 - ``halve``: halve mode, out of memory in the backward pass on rank 0 only.
+
+``packed`` (the last argument): the token budget's runs are padding-free
+(``padding_free=True``, packs costed with ``packing="full"`` for the eager
+tiny Llama), and ``plain`` trains those packs as padded batches.
 
 Each run is one epoch of 64 prompt/completion pairs, gradient accumulation 2.
 """
@@ -37,6 +41,7 @@ RUNS: dict[str, dict[str, Any]] = {
 
 def main() -> None:
     data_dir, minilm, out = sys.argv[1], sys.argv[2], Path(sys.argv[3])
+    packed = "full" if sys.argv[4:] == ["packed"] else None
     torch.set_num_threads(1)
     transformers.logging.set_verbosity_error()
     datasets.disable_progress_bar()
@@ -45,7 +50,14 @@ def main() -> None:
     arguments = {"gradient_accumulation_steps": 2, "disable_tqdm": True}
     for name, options in RUNS.items():
         result = tc.train(
-            data, tok, out / name, max_tokens=MAX_TOKENS, eval_data=eval_data, arguments=arguments, **options
+            data,
+            tok,
+            out / name,
+            max_tokens=MAX_TOKENS,
+            eval_data=eval_data,
+            arguments=arguments,
+            packed=packed,
+            **options,
         )
         data, eval_data = result.pop("dataset"), result.pop("eval_dataset")
         if torch.distributed.get_rank() == 0:

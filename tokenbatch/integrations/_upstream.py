@@ -10,7 +10,9 @@ library's private state itself.
   ``_get_collator_with_removed_columns`` (a stream's DataLoader gets the
   collator Trainer would give it), ``_loss_shifts_labels`` (transformers 5:
   whether the loss drops each row's first label, so that labelled items
-  are counted as Trainer counts them);
+  are counted as Trainer counts them); a model config's ``_attn_implementation``
+  (the attention kernel in use, which decides what a packed batch costs:
+  transformers has no public getter for it);
 - Lightning: the trainer's ``_accelerator_connector.use_distributed_sampler``
   (no public property says whether Lightning will replace the batch
   sampler) and the fit loop's ``_combined_loader`` (where Lightning keeps the
@@ -42,6 +44,13 @@ def collator_without_unused_columns(trainer: Any, collator: Any) -> Any:
 def loss_shifts_labels(trainer: Any) -> bool:
     """Whether the trainer's loss drops each row's first label (transformers 5; False on 4.x)."""
     return bool(getattr(trainer, "_loss_shifts_labels", False))
+
+
+def attention_implementation(model: Any) -> str | None:
+    """The attention kernel ``model`` runs (``config._attn_implementation``), or None without a config."""
+    config = getattr(model, "config", None)
+    value = getattr(config, "_attn_implementation", None)
+    return value if isinstance(value, str) else None
 
 
 def lightning_replaces_samplers(trainer: Any) -> bool:

@@ -15,6 +15,9 @@ with a row per sample are concatenated in the batch's row order, scalars (a
 mean loss) are summed weighted by each micro-batch's share of the batch.
 Micro-batches keep the batch's padded width, so every output has the shape
 an unsplit run gives, and each row's values match it up to floating point.
+A pack (a flattened batch) is cut into smaller packs of whole examples, and
+per-token outputs (logits of shape ``(1, tokens, ...)``) are put back at
+their tokens' places; a mean loss is weighted by labelled tokens.
 The training budget is not touched.
 """
 
@@ -32,14 +35,17 @@ from torch import nn
 
 from tokenbatch import _checks
 from tokenbatch import _distributed as distributed
+from tokenbatch._packs import PackedExamples
 from tokenbatch.cost import CostModel
 from tokenbatch.oom._ddp import DDPSync
 from tokenbatch.oom._errors import OOMEvent, SampleTooLargeError, free_memory, is_oom
 from tokenbatch.oom._split import (
     BatchShape,
     Piece,
+    Weight,
     check_weight,
     inspect_batch,
+    piece_shares,
     plan_micro_batches,
     take_rows,
 )
@@ -68,8 +74,9 @@ class EvalGuard:
             new evaluation budget is ``factor * min(budget, cost of the batch that failed)``.
         min_tokens: the floor; out-of-memory at it raises :class:`~tokenbatch.SampleTooLargeError`.
         weight: the micro-batches' shares, for scalar results: ``"samples"``,
-            ``"tokens"`` (real tokens), or a function of a micro-batch
-            returning its count (as for :class:`~tokenbatch.OOMFallback`).
+            ``"tokens"`` (real tokens; a pack's labelled tokens), a function of a
+            micro-batch returning its count, or None: ``"tokens"`` for a pack,
+            ``"samples"`` otherwise (as for :class:`~tokenbatch.OOMFallback`).
         pad_token_id: read row lengths from ``input_ids`` when batches have no ``attention_mask``.
 
     ``max_tokens`` is the evaluation budget (None until the first
@@ -99,7 +106,7 @@ class EvalGuard:
         cost: CostModel | None = None,
         factor: float = 0.5,
         min_tokens: float | None = None,
-        weight: str | Callable[[Any], float] = "samples",
+        weight: Weight = None,
         pad_token_id: int | None = None,
     ) -> None:
         if model is not None and not isinstance(model, nn.Module):
@@ -178,9 +185,9 @@ class EvalGuard:
             pieces = None
             if self.max_tokens is not None:
                 shape = shape or inspect_batch(batch, self.pad_token_id)
-                if shape.size * self.cost.sample_cost(shape.width) > self.max_tokens:
+                if _as_run(shape).cost(self.cost) > self.max_tokens:
                     pieces = self._pieces(batch, shape, self.max_tokens)
-            return Outcome(), None, self._run(batch, pieces, fn), shape
+            return Outcome(), None, self._run(batch, pieces, fn, shape), shape
         except Exception as exc:
             if not is_oom(exc):
                 return Outcome("error", "forward"), exc, _NOTHING, shape
@@ -190,30 +197,25 @@ class EvalGuard:
             shape = shape or inspect_batch(batch, self.pad_token_id)
             rows = np.arange(shape.size) if self._rows is None else self._rows
             longest = int(shape.lengths[rows].max())
-            cost = float(len(rows) * self.cost.sample_cost(shape.width))
+            cost = _as_run(shape).cost(self.cost, rows)
             failed = Outcome("oom", "forward", cost=cost, longest=longest, rows=len(rows))
             return failed, None, _NOTHING, shape
         except Exception as unreadable:  # a batch we cannot read: report it rather than guess
             return Outcome("error", "forward"), unreadable, _NOTHING, shape
 
     def _pieces(self, batch: Any, shape: BatchShape, budget: float) -> list[Piece]:
-        """Micro-batches of consecutive rows, each costed at the batch's padded width, with their shares."""
-        full_width = dataclasses.replace(shape, lengths=np.full(shape.size, shape.width, np.int64))
-        groups = plan_micro_batches(full_width, self.cost, budget)
+        """Micro-batches of rows costed at the batch's padded width (a pack's: smaller packs), with shares."""
+        groups = plan_micro_batches(_as_run(shape), self.cost, budget)
         parts = [take_rows(batch, shape, rows, None) for rows in groups]
-        weight = self.weight
-        if callable(weight):
-            shares = [float(weight(part)) for part in parts]
-        elif weight == "tokens":
-            shares = [float(shape.lengths[rows].sum()) for rows in groups]
-        else:
-            shares = [float(len(rows)) for rows in groups]
-        if not sum(shares) > 0:  # nothing to weight by (no labelled item anywhere): by rows
-            shares = [float(len(rows)) for rows in groups]
-        total = sum(shares)
-        return [(part, s / total, rows) for part, s, rows in zip(parts, shares, groups, strict=True)]
+        try:
+            shares = piece_shares(shape, self.weight, parts, groups)
+        except ValueError:  # nothing to weight by (no labelled item anywhere): by rows
+            shares = piece_shares(shape, "samples", parts, groups)
+        return [(part, s, rows) for part, s, rows in zip(parts, shares, groups, strict=True)]
 
-    def _run(self, batch: Any, pieces: Sequence[Piece] | None, fn: Callable[[Any], Any]) -> Any:
+    def _run(
+        self, batch: Any, pieces: Sequence[Piece] | None, fn: Callable[[Any], Any], shape: BatchShape | None
+    ) -> Any:
         if pieces is None:
             if self._ddp is not None:
                 self._ddp.before_forward()
@@ -225,14 +227,31 @@ class EvalGuard:
                 self._ddp.before_forward()
             results.append(fn(part))
         self._rows = None  # what fails from here on (putting results together) is not a micro-batch's
-        return combine(results, [s for _, s, _ in pieces], [rows for _, _, rows in pieces])
+        packed = None if shape is None else shape.packed
+        return combine(results, [s for _, s, _ in pieces], [rows for _, _, rows in pieces], packed=packed)
 
 
-def combine(results: Sequence[Any], shares: Sequence[float], rows: Sequence[np.ndarray]) -> Any:
+def _as_run(shape: BatchShape) -> BatchShape:
+    """``shape`` as evaluation runs it: micro-batches keep the padded width (a pack's examples their own)."""
+    if shape.packed is not None:
+        return shape
+    return dataclasses.replace(shape, lengths=np.full(shape.size, shape.width, np.int64))
+
+
+def combine(
+    results: Sequence[Any],
+    shares: Sequence[float],
+    rows: Sequence[np.ndarray],
+    *,
+    packed: PackedExamples | None = None,
+) -> Any:
     """The results of micro-batches ``rows`` put together as the whole batch's result.
 
     Tensors and arrays with a row per sample are concatenated in row order;
     scalars are summed weighted by ``shares``; containers are combined item by item.
+    Of a pack (``packed``; ``rows`` are its examples), tensors with a value per
+    token, of shape ``(1, tokens of the micro-batch, ...)``, go back to their
+    tokens' places in the pack's ``(rows, width, ...)``.
 
     Example:
         >>> parts = [torch.tensor([[1.0], [2.0]]), torch.tensor([[3.0]])]
@@ -246,6 +265,17 @@ def combine(results: Sequence[Any], shares: Sequence[float], rows: Sequence[np.n
     if first is None:
         return None
     if isinstance(first, torch.Tensor | np.ndarray) and first.ndim > 0:
+        if packed is not None:
+            places = [packed.positions(part) for part in rows]
+            per_token = all(
+                isinstance(result, type(first))
+                and result.ndim >= 2
+                and tuple(result.shape[:2]) == (1, len(place))
+                and result.shape[2:] == first.shape[2:]
+                for result, place in zip(results, places, strict=True)
+            )
+            if per_token:
+                return _place_tokens(results, places, packed)
         for result, part in zip(results, rows, strict=True):
             if not isinstance(result, type(first)) or result.ndim == 0 or result.shape[0] != len(part):
                 raise TypeError(
@@ -263,7 +293,7 @@ def combine(results: Sequence[Any], shares: Sequence[float], rows: Sequence[np.n
         terms = [result * s for result, s in zip(results, shares, strict=True) if s != 0]
         return sum(terms[1:], terms[0])
     if isinstance(first, Mapping):
-        data = {key: combine([r[key] for r in results], shares, rows) for key in first}
+        data = {key: combine([r[key] for r in results], shares, rows, packed=packed) for key in first}
         kind: Any = type(first)
         if dataclasses.is_dataclass(type(first)):  # transformers' ModelOutput
             return kind(**data)
@@ -272,7 +302,7 @@ def combine(results: Sequence[Any], shares: Sequence[float], rows: Sequence[np.n
         except TypeError:
             return data
     if isinstance(first, tuple | list):
-        items = [combine([r[i] for r in results], shares, rows) for i in range(len(first))]
+        items = [combine([r[i] for r in results], shares, rows, packed=packed) for i in range(len(first))]
         if isinstance(first, tuple) and type(first) is not tuple:  # a named tuple
             return type(first)(*items)
         return type(first)(items)
@@ -282,3 +312,20 @@ def combine(results: Sequence[Any], shares: Sequence[float], rows: Sequence[np.n
         f"cannot put together the micro-batches' results of type {type(first).__name__}: fn should "
         f"return tensors with one row per sample, scalars, or containers of them"
     )
+
+
+def _place_tokens(results: Sequence[Any], places: Sequence[np.ndarray], packed: PackedExamples) -> Any:
+    """Per-token results of smaller packs, each ``(1, its tokens, ...)``, at their places in the pack."""
+    first = results[0]
+    rest = tuple(first.shape[2:])
+    where = np.concatenate(list(places))
+    size = (packed.rows * packed.width, *rest)
+    if isinstance(first, torch.Tensor):
+        tokens = torch.cat([result[0] for result in results])
+        placed = tokens.new_zeros(size)
+        placed[torch.as_tensor(where, device=tokens.device)] = tokens
+        return placed.reshape(packed.rows, packed.width, *rest)
+    values = np.concatenate([result[0] for result in results])
+    out: np.ndarray = np.zeros(size, dtype=values.dtype)
+    out[where] = values
+    return out.reshape(packed.rows, packed.width, *rest)

@@ -391,9 +391,9 @@ class Growth:
     def step_cost(self, step: int, budget: float) -> float:
         """What step ``step`` showed to fit on every rank: the cheapest of its batches in the global plan.
 
-        A batch's cost is its own, or, where split mode cut it to ``budget``, its costliest
-        micro-batch (cut as the guard cuts it, from the plan's lengths: greedily while a try
-        is in force, see :meth:`filling`). The cheapest over
+        A batch's cost is its own (as the cost model costs it: a pack as a pack), or, where
+        split mode cut it to ``budget``, its costliest micro-batch (cut as the guard cuts it,
+        from the plan's lengths: greedily while a try is in force, see :meth:`filling`). The cheapest over
         the ranks, as ranks may differ in memory: each of them ran at least that much.
         """
         plan, lengths, cost = self.sampler.plan, self.sampler.lengths, self.sampler.cost

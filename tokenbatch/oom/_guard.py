@@ -85,8 +85,10 @@ class OOMFallback:
             shrink only). A failed try is in ``events`` (``growth=True``), each one that trained
             in ``growth_events``. A stream has no plan to prove a budget on: it only shrinks.
         weight: how micro-batch losses add up to the batch's: ``"samples"`` (a
-            loss averaged over samples), ``"tokens"`` (over real tokens), or a
-            function of a micro-batch returning its count.
+            loss averaged over samples), ``"tokens"`` (over real tokens; of a
+            pack, over its labelled tokens, as ``model(**batch).loss`` of a
+            flattened row averages), a function of a micro-batch returning its
+            count, or None (default): ``"tokens"`` for a pack, ``"samples"`` otherwise.
         pad_token_id: read row lengths from ``input_ids`` where batches have no ``attention_mask``.
         overlap: with DDP, all-reduce gradients during backward in an order that a failed rank
             still completes (:mod:`tokenbatch.oom._ddp`); False: average them after backward.
@@ -151,7 +153,7 @@ class OOMFallback:
         factor: float = 0.5,
         min_tokens: float | None = None,
         grow: bool | Grow = True,
-        weight: str | Callable[[Any], float] = "samples",
+        weight: str | Callable[[Any], float] | None = None,
         pad_token_id: int | None = None,
         overlap: bool = True,
         lr_scaling: str = "none",
@@ -453,8 +455,10 @@ class OOMFallback:
         """Run ``loss_fn(batch)`` and its backward pass; on out-of-memory, recover on every rank.
 
         Args:
-            batch: the collated batch (dict of tensors with an ``attention_mask``, ...).
-            loss_fn: forward pass returning the batch's scalar loss, averaged over its samples.
+            batch: the collated batch (dict of tensors with an ``attention_mask``, ...), or a
+                flattened pack (``input_ids``, ``labels`` and ``position_ids`` in one row).
+            loss_fn: forward pass returning the batch's scalar loss, averaged over its samples
+                (of a pack: over its labelled tokens, see ``weight``).
 
         Returns:
             The detached loss (a weighted sum of micro-batch losses if split),

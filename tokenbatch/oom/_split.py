@@ -6,49 +6,82 @@ tuple or list of them, or one tensor. Each row's length comes from the
 ``attention_mask`` (else ``input_ids`` against a pad id, else the padded
 width), and micro-batches are packed longest first so that each one can be
 trimmed to its own longest row when the batch is padded on the right.
+
+A flattened batch (a pack: whole examples in one row, with ``position_ids``;
+see :mod:`tokenbatch._packs`) is read as its examples, and cut into smaller
+packs of whole examples, each one a flattened batch as the collator would
+have made it of those examples. Every batch, padded or packed, is costed as
+the cost model says (:meth:`~tokenbatch.CostModel.batch_cost` of its lengths).
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
+from tokenbatch._packs import PackedExamples, packed_examples, take_examples
 from tokenbatch.cost import CostModel
 from tokenbatch.plan import fit_count
 
 Piece = tuple[Any, float, np.ndarray]
-"""A micro-batch, its loss weight, and its rows in the batch."""
+"""A micro-batch, its loss weight, and its rows (a pack's examples) in the batch."""
+
+Weight = str | Callable[[Any], float] | None
 
 
-def check_weight(weight: Any) -> str | Callable[[Any], float]:
-    """``weight`` as the micro-batch options take it: ``"samples"``, ``"tokens"`` or a function."""
-    if not (weight in ("samples", "tokens") or callable(weight)):
-        raise ValueError(f"weight should be 'samples', 'tokens' or a function, but got weight={weight!r}")
+def check_weight(weight: Any) -> Weight:
+    """``weight`` as the micro-batch options take it: ``"samples"``, ``"tokens"``, a function or None."""
+    if not (weight is None or weight in ("samples", "tokens") or callable(weight)):
+        raise ValueError(
+            f"weight should be 'samples', 'tokens', a function or None, but got weight={weight!r}"
+        )
     return weight  # type: ignore[no-any-return]
 
 
 @dataclass(frozen=True)
 class BatchShape:
-    """What the splitter needs to know about one collated batch."""
+    """What the splitter needs to know about one collated batch.
+
+    Its units are rows, or a pack's examples (``packed``): ``size`` and
+    ``lengths`` count those, and micro-batches take whole ones.
+    """
 
     size: int
-    """Rows in the batch."""
+    """Rows in the batch (a pack: examples)."""
     width: int
-    """The padded sequence length (1 for batches without a sequence dimension)."""
+    """The padded sequence length (a pack: its row's length; 1 for batches without a sequence dimension)."""
     lengths: np.ndarray
-    """Each row's real length."""
+    """Each row's (example's) real length."""
     right_padded: bool
     """Padding sits at the end of each row, so trailing columns can be trimmed."""
+    packed: PackedExamples | None = None
+    """Where a flattened batch's examples are; None for a padded batch."""
 
     def cost(self, cost: CostModel, rows: np.ndarray | None = None) -> float:
-        """The cost of ``rows`` (default: all) padded to their longest."""
-        lengths = self.lengths if rows is None else self.lengths[rows]
-        return float(len(lengths) * cost.sample_cost(int(lengths.max())))
+        """The cost of ``rows`` (default: all) as a batch of their own, padded or packed as ``cost`` says."""
+        return cost.batch_cost(self.lengths if rows is None else self.lengths[rows])
+
+    def tokens(self, rows: np.ndarray) -> float:
+        """What ``weight="tokens"`` counts of ``rows``: real tokens, or a pack's labelled ones.
+
+        A flattened row's loss (``model(**batch).loss``) is a mean over its
+        labelled tokens, and each example's first label is -100, so each
+        example's count is its own: shares by it add up to the pack's mean.
+        """
+        if self.packed is not None and self.packed.labelled is not None:
+            return float(self.packed.labelled[rows].sum())
+        return float(self.lengths[rows].sum())
+
+    def weight(self, weight: Weight) -> str | Callable[[Any], float]:
+        """``weight`` in force for this batch: None is ``"tokens"`` for a pack, ``"samples"`` otherwise."""
+        if weight is None:
+            return "tokens" if self.packed is not None else "samples"
+        return weight
 
 
 def _tensors(batch: Any) -> list[tuple[str | int, torch.Tensor]]:
@@ -67,6 +100,9 @@ def inspect_batch(batch: Any, pad_token_id: int | None = None) -> BatchShape:
     Raises:
         TypeError: the batch holds no tensor with a batch dimension.
     """
+    packed = packed_examples(batch)
+    if packed is not None:
+        return BatchShape(len(packed.lengths), packed.width, packed.lengths, False, packed)
     tensors = _tensors(batch)
     mask = batch.get("attention_mask") if isinstance(batch, Mapping) else None
     ids = batch.get("input_ids") if isinstance(batch, Mapping) else None
@@ -105,6 +141,7 @@ def plan_micro_batches(
     every share still fits, so that no micro-batch is a small remainder.
     ``fill``: keep the greedy cut, whose first micro-batch fills ``budget`` as far
     as the rows allow (growth's try of a larger budget is proven by a piece that large).
+    With ``cost.packing`` the micro-batches are packs: see :func:`plan_packs`.
 
     Example:
         >>> shape = BatchShape(4, 4, np.array([4, 4, 4, 4]), right_padded=True)
@@ -113,6 +150,8 @@ def plan_micro_batches(
         >>> [len(rows) for rows in plan_micro_batches(shape, CostModel(), 12.0, fill=True)]
         [3, 1]
     """
+    if cost.packing is not None:
+        return plan_packs(shape.lengths, cost, budget, fill=fill)
     order = np.argsort(-shape.lengths, kind="stable")
     units = cost.sample_cost(shape.lengths[order])  # each row's cost padded to itself, longest first
 
@@ -134,6 +173,75 @@ def plan_micro_batches(
     return [np.sort(order[a:b]) for a, b in itertools.pairwise(bounds)]
 
 
+class _Packs:
+    """Packs being filled: per pack its examples and the sums its cost depends on."""
+
+    def __init__(self, cost: CostModel, parts: int = 0) -> None:
+        self.cost = cost
+        self.members: list[list[int]] = [[] for _ in range(parts)]
+        self.counts = np.zeros(parts)
+        self.totals = np.zeros(parts, np.int64)
+        self.squares = np.zeros(parts)
+
+    def costs(self, length: int = 0) -> np.ndarray:
+        """Each pack's cost with one more example of ``length`` (0: as it is), as ``CostModel.batch_cost``."""
+        cost = self.cost
+        extra = 1 if length else 0
+        row = np.asarray(cost.padded_length(self.totals + length), dtype=np.float64)
+        area = self.squares + float(length) ** 2 if cost.packing == "varlen" else row * row
+        counts = self.counts + extra
+        value: np.ndarray = cost.linear * row + cost.quadratic * area + cost.per_sample * counts
+        return value
+
+    def add(self, pack: int, example: int, length: int) -> None:
+        if pack == len(self.members):
+            self.members.append([])
+            self.counts, self.totals = np.append(self.counts, 0), np.append(self.totals, 0)
+            self.squares = np.append(self.squares, 0.0)
+        self.members[pack].append(example)
+        self.counts[pack] += 1
+        self.totals[pack] += length
+        self.squares[pack] += float(length) ** 2
+
+    def groups(self) -> list[np.ndarray]:
+        return [np.sort(np.asarray(m, dtype=np.int64)) for m in self.members if m]
+
+
+def plan_packs(
+    lengths: np.ndarray, cost: CostModel, budget: float, *, fill: bool = False
+) -> list[np.ndarray]:
+    """The examples of each smaller pack of a pack, each within ``budget`` (an example alone may not be).
+
+    First fit over the examples, longest first, gives few packs, the first
+    ones full; unless ``fill``, the examples are then dealt out, longest
+    first, to the cheapest of that many packs, where every one still fits, so
+    that no pack is a small remainder. Each pack lists its examples in the
+    batch's order.
+
+    Example:
+        >>> cost, lengths = CostModel(packing="varlen"), np.array([4, 4, 4, 4, 1, 1])
+        >>> [g.tolist() for g in plan_packs(lengths, cost, 12.0)]  # dealt out: 9 tokens each
+        [[0, 2, 4], [1, 3, 5]]
+        >>> [g.tolist() for g in plan_packs(lengths, cost, 12.0, fill=True)]  # first fit: 12 and 6
+        [[0, 1, 2], [3, 4, 5]]
+    """
+    lengths = np.asarray(lengths, dtype=np.int64)
+    order = np.argsort(-lengths, kind="stable")
+    first = _Packs(cost)
+    for example in order.tolist():
+        length = int(lengths[example])
+        fits = np.flatnonzero(first.costs(length) <= budget)
+        first.add(int(fits[0]) if len(fits) else len(first.members), example, length)
+    if fill or len(first.members) < 2:
+        return first.groups()
+    dealt = _Packs(cost, len(first.members))
+    for example in order.tolist():
+        length = int(lengths[example])
+        dealt.add(int(np.argmin(dealt.costs())), example, length)
+    alone = dealt.counts == 1
+    return dealt.groups() if bool(np.all((dealt.costs() <= budget) | alone)) else first.groups()
+
+
 def take_rows(batch: Any, shape: BatchShape, rows: np.ndarray, width: int | None) -> Any:
     """The sub-batch of ``rows``; tensors over (batch, sequence) cut to ``width`` columns if given.
 
@@ -141,7 +249,11 @@ def take_rows(batch: Any, shape: BatchShape, rows: np.ndarray, width: int | None
     dimensions are (batch, padded width) and it is an integer or boolean
     matrix (ids, masks, token labels) or has three or more dimensions
     (embeddings); a float matrix of that shape (multi-label targets) is not.
+    Of a pack, ``rows`` are examples, and the sub-batch is their pack
+    (:func:`tokenbatch._packs.take_examples`).
     """
+    if shape.packed is not None and isinstance(batch, Mapping):
+        return take_examples(batch, shape.packed, rows)
     index = torch.as_tensor(rows, dtype=torch.long)
 
     def cut(value: Any) -> Any:
@@ -181,7 +293,7 @@ def split_batch(
     cost: CostModel,
     budget: float,
     *,
-    weight: str | Callable[[Any], float] = "samples",
+    weight: Weight = None,
     trim: bool = True,
     fill: bool = False,
 ) -> list[Piece]:
@@ -190,9 +302,10 @@ def split_batch(
     Args:
         weight: ``"samples"`` (each micro-batch's share of the rows, for a loss
             averaged over samples), ``"tokens"`` (its share of real tokens, for
-            a loss averaged over tokens), or a function of a micro-batch that
-            returns its share's numerator (for example its count of labelled tokens);
-            :class:`~tokenbatch.oom.Split` has checked it.
+            a loss averaged over tokens; of a pack, its labelled tokens), a
+            function of a micro-batch that returns its share's numerator (for
+            example its count of labelled tokens), or None: ``"tokens"`` for a
+            pack, ``"samples"`` otherwise (see :meth:`BatchShape.weight`).
         trim: cut each micro-batch to its longest row when the batch is
             padded on the right.
         fill: cut greedily, the first micro-batch as large as ``budget`` allows
@@ -202,19 +315,36 @@ def split_batch(
     pieces = []
     for rows in groups:
         width = None
-        if trim and shape.right_padded:
+        if trim and shape.right_padded and shape.packed is None:
             width = min(shape.width, int(cost.padded_length(int(shape.lengths[rows].max()))))
         pieces.append((take_rows(batch, shape, rows, width), rows))
+    shares = piece_shares(shape, weight, [piece for piece, _ in pieces], groups)
+    return [(piece, share, rows) for (piece, rows), share in zip(pieces, shares, strict=True)]
+
+
+def piece_shares(
+    shape: BatchShape, weight: Weight, parts: Sequence[Any], groups: Sequence[np.ndarray]
+) -> list[float]:
+    """Each micro-batch's share of the batch's loss, by ``weight`` (see :func:`split_batch`); they sum to 1.
+
+    ``"tokens"`` on a batch with none to count (a pack labelled nowhere) counts real tokens.
+
+    Raises:
+        ValueError: a weight function gave shares that do not add up to a positive count.
+    """
+    weight = shape.weight(weight)
     if callable(weight):
-        shares = [float(weight(piece)) for piece, _ in pieces]
+        shares = [float(weight(part)) for part in parts]
     elif weight == "tokens":
-        shares = [float(shape.lengths[rows].sum()) for _, rows in pieces]
+        shares = [shape.tokens(rows) for rows in groups]
+        if not sum(shares) > 0:
+            shares = [float(shape.lengths[rows].sum()) for rows in groups]
     else:  # "samples"
-        shares = [float(len(rows)) for _, rows in pieces]
+        shares = [float(len(rows)) for rows in groups]
     total = sum(shares)
-    if total <= 0:
+    if not total > 0:
         raise ValueError(
             f"the weight function gave micro-batch shares {shares} that sum to {total}; it should "
             f"return a positive count (e.g. of samples or labelled tokens) for each micro-batch"
         )
-    return [(piece, share / total, rows) for (piece, rows), share in zip(pieces, shares, strict=True)]
+    return [share / total for share in shares]

@@ -45,7 +45,7 @@ from tokenbatch import _distributed as distributed
 from tokenbatch.cost import CostModel
 from tokenbatch.oom._ddp import DDPSync, GradientAverage, OverlapReducer, Round, unsupported
 from tokenbatch.oom._errors import OOMEvent, RankFailedError, SampleTooLargeError, is_oom
-from tokenbatch.oom._split import BatchShape, Piece, inspect_batch, split_batch
+from tokenbatch.oom._split import BatchShape, Piece, Weight, inspect_batch, split_batch
 
 logger = logging.getLogger("tokenbatch.oom")
 
@@ -342,7 +342,7 @@ class ForwardBackward:
         accelerator: Any = None,
         *,
         cost: CostModel,
-        weight: str | Callable[[Any], float] = "samples",
+        weight: Weight = None,
         pad_token_id: int | None = None,
         overlap: bool = True,
     ) -> None:
@@ -492,9 +492,8 @@ class ForwardBackward:
     def out_of_memory(self, shape: BatchShape) -> Outcome:
         """The outcome of running out of memory in what was last tried."""
         failed = shape.lengths if self.rows is None else shape.lengths[self.rows]
-        longest = int(failed.max())
-        cost = float(len(failed) * self.cost.sample_cost(longest))
-        return Outcome("oom", self.phase, cost=cost, longest=longest, rows=len(failed))
+        cost = shape.cost(self.cost, self.rows)  # a pack costs as a pack
+        return Outcome("oom", self.phase, cost=cost, longest=int(failed.max()), rows=len(failed))
 
 
 def _check_loss(loss: Any) -> torch.Tensor:

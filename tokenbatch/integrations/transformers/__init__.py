@@ -96,6 +96,7 @@ try:
         SizedBudgetLoader,
         StreamLoader,
     )
+    from tokenbatch.integrations.transformers._layout import layout_cost
     from tokenbatch.integrations.transformers._logs import evaluation_rules, rewritten, training_rules
     from tokenbatch.integrations.transformers._lr import StepScaling
     from tokenbatch.integrations.transformers._preempt import Preemption, wanted
@@ -149,10 +150,15 @@ class TokenBudgetMixin(_TrainerBase):
     ``group_by_length`` reads them: the ``args.length_column_name`` column if
     present, else the tokenizer's first model input (``input_ids``); the
     collator must pad to the longest sequence in a batch (the default with a
-    tokenizer). Logs add ``max_tokens`` (the budget in force), ``step_samples``
-    (samples per optimizer step, over all ranks and accumulated batches) and
-    ``oom_events``. ``train(resume_from_checkpoint=...)`` resumes at the same
-    sample with the same budget, also on another number of processes.
+    tokenizer), or flatten each batch into one row (padding-free:
+    ``transformers.DataCollatorWithFlattening``, TRL's ``padding_free=True``),
+    which makes each batch a pack of whole examples costed as one
+    (``CostModel(packing=...)``: ``"varlen"`` for flash or flex attention,
+    ``"full"`` for eager and sdpa, read from the model). Logs add
+    ``max_tokens`` (the budget in force), ``step_samples`` (samples per
+    optimizer step, over all ranks and accumulated batches) and ``oom_events``.
+    ``train(resume_from_checkpoint=...)`` resumes at the same sample with the
+    same budget, also on another number of processes.
     Evaluation and prediction score every example once on any number of
     processes (``predict`` in dataset order), report ``eval_loss`` as the mean
     over examples (or labelled tokens), and survive out-of-memory by splitting
@@ -172,7 +178,9 @@ class TokenBudgetMixin(_TrainerBase):
         eval_max_tokens: the budget for evaluation and prediction (default
             ``max_tokens``; without gradients it can usually be larger).
         memory_limit: bytes, for ``max_tokens="auto"`` (default: as :func:`~tokenbatch.auto_budget`).
-        cost: the memory estimate; ``CostModel()`` counts padded tokens.
+        cost: the memory estimate; None: ``CostModel()``, which counts padded tokens, or
+            ``CostModel(packing=...)`` for a collator that flattens (packed tokens, the packing
+            of the model's attention). A given cost's ``packing`` must match the collator.
         oom_mode: ``"split"`` runs a batch that ran out of memory as smaller
             micro-batches (same batches and optimizer steps); ``"halve"``
             re-plans the rest of training under a smaller budget (more, smaller
@@ -236,7 +244,8 @@ class TokenBudgetMixin(_TrainerBase):
         )
         if cost is not None and not isinstance(cost, CostModel):
             raise TypeError(f"cost should be a tokenbatch.CostModel, but got cost={cost!r}")
-        self.token_cost = CostModel() if cost is None else cost
+        self._given_cost = cost
+        self.token_cost = CostModel() if cost is None else cost  # settled by _layout_cost() below
         if oom_mode is not None and oom_mode not in OOM_MODES:
             raise ValueError(f"oom_mode should be 'split', 'halve' or None, but got oom_mode={oom_mode!r}")
         self.oom_mode = oom_mode
@@ -268,6 +277,7 @@ class TokenBudgetMixin(_TrainerBase):
         self._eval_steps: tuple[str, int] | None = None  # the last evaluation's prefix and batches
         self._lr_step = StepScaling(lr_scaling, lr_scaling_by, lr_reference, sampler=lambda: self._sampler)
         super().__init__(*args, **kwargs)
+        self.token_cost = self._layout_cost()
         sharded = bool(self.is_deepspeed_enabled or self.is_fsdp_enabled)
         check_supported(self.args, self.oom_mode, sharded=sharded)
         self._lr_step.check(
@@ -279,6 +289,10 @@ class TokenBudgetMixin(_TrainerBase):
             progress = (*progress, Preemption())
         for callback in (*progress, self._lr_step):  # the rate in force, to callbacks' on_pre_optimizer_step
             self.callback_handler.callbacks.insert(0, callback)
+
+    def _layout_cost(self) -> CostModel:
+        """The cost of this trainer's batches: padded rows, or packs where its collator flattens them."""
+        return layout_cost(self._given_cost, self.data_collator, self.model)
 
     # -- what it exposes -------------------------------------------------------------
 

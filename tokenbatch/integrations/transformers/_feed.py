@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from tokenbatch import _distributed as distributed
+from tokenbatch._packs import packed_examples
 from tokenbatch.oom import OOMFallback
 from tokenbatch.oom._guard import _Batches
 from tokenbatch.sampler import TokenBudgetBatchSampler
@@ -232,9 +233,10 @@ class StreamFeed:
         self.group_size = entry.group_size
         if entry.step is None:
             return None
+        pack = packed_examples(entry.batch)  # a pack's samples are its examples, not its one row
         values = entry.batch.values() if isinstance(entry.batch, Mapping) else [entry.batch]
         first = next((v for v in values if isinstance(v, torch.Tensor) and v.dim() > 0), None)
-        self._rows = 0 if first is None else int(first.shape[0])
+        self._rows = len(pack.lengths) if pack is not None else 0 if first is None else int(first.shape[0])
         return entry.batch, entry.step
 
     def mark_trained(self, step: int) -> int:

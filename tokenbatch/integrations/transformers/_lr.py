@@ -34,6 +34,7 @@ import torch
 from transformers import TrainerCallback
 
 from tokenbatch._lr import BatchScaledLR, count_batch, global_count, lr_options
+from tokenbatch._packs import packed_examples
 from tokenbatch.sampler import TokenBudgetBatchSampler
 
 logger = logging.getLogger("tokenbatch.integrations.transformers")
@@ -95,8 +96,12 @@ class StepScaling(TrainerCallback):
             reference_of(by=self.by, per_device=1, world=1, accumulation=1, mean_length=None)  # raises
 
     def count(self, batch: Any) -> None:
-        """Add one batch that trained on this rank to the current optimizer step."""
+        """Add one batch that trained on this rank to the current optimizer step (a pack: its examples)."""
         if not self.enabled:
+            return
+        pack = packed_examples(batch)
+        if pack is not None:
+            self._count += len(pack.lengths) if self.by == "samples" else int(pack.lengths.sum())
             return
         mask = batch.get("attention_mask") if isinstance(batch, Mapping) else None
         if self.by == "samples":
