@@ -391,6 +391,9 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
         self._read_by = None if loader is None else (self._version, weakref.ref(loader))
         if loader is None:
             return
+        # One process to accelerate, several to torch.distributed: the plan is made for the process group,
+        # and accelerate would give every process every rank's batches.
+        _accelerate.check_processes()
         chain = _accelerate.batch_samplers(loader)
         if _accelerate.is_dispatcher(loader):
             raise ValueError(

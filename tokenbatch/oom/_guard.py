@@ -167,6 +167,8 @@ class OOMFallback:
             raise TypeError(
                 f"model should be a torch.nn.Module, but got model of type {type(model).__name__}"
             )
+        # Before the world-size checks below: their fixes would not mend a launch accelerate misread.
+        _accelerate.check_processes(getattr(accelerator, "num_processes", None))
         self.mode = _checks.one_of("mode", mode, MODES)
         check_weight(weight)
         if getattr(accelerator, "split_batches", False) is True:

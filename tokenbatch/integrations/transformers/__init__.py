@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
-from tokenbatch import _checks
+from tokenbatch import _accelerate, _checks
 from tokenbatch.cost import CostModel
 from tokenbatch.lengths import column_lengths
 from tokenbatch.oom import EvalGuard, Grow, OOMEvent, OOMFallback
@@ -268,6 +268,8 @@ class TokenBudgetMixin(_TrainerBase):
         self._eval_steps: tuple[str, int] | None = None  # the last evaluation's prefix and batches
         self._lr_step = StepScaling(lr_scaling, lr_scaling_by, lr_reference, sampler=lambda: self._sampler)
         super().__init__(*args, **kwargs)
+        # On every rank, before any step: Trainer's accelerator training alone on each process of a launch.
+        _accelerate.check_processes(self.accelerator.num_processes)
         sharded = bool(self.is_deepspeed_enabled or self.is_fsdp_enabled)
         check_supported(self.args, self.oom_mode, sharded=sharded)
         self._lr_step.check(
