@@ -324,7 +324,7 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
                     # Counted as the step's last batch goes out: a DataLoader without workers asks for
                     # a batch only when the loop wants it, so k batches taken are k steps yielded.
                     self._yielded = step + 1
-                yield plan.batch(plan.step_start(step) + slot).tolist()
+                yield _Batch(plan.batch(plan.step_start(step) + slot).tolist())
         if self._version == version:
             self._start, self._finished = 0, version
 
@@ -582,6 +582,27 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
         steps_done = _checks.non_negative_int("state['steps_done']", state["steps_done"])
         replans = _read_replans(state["replans"])
         return epoch, max_tokens, History(epoch_max_tokens, world, replans), steps_done
+
+
+class _Batch(list[int]):
+    """A batch of indices, as the sampler yields it: a list that refuses to be taken for one index.
+
+    ``DataLoader(dataset, sampler=sampler)`` (for ``batch_sampler=``) hands each batch to the
+    dataset as if it were one index, where a plain list ends in an error that does not say why
+    (``datasets``: ``int() argument must be ... not 'list'``; a list or range: ``list indices must
+    be integers``). Everything a list does otherwise, this does.
+    """
+
+    __slots__ = ()
+
+    def __index__(self) -> int:
+        raise TypeError(
+            "a TokenBudgetBatchSampler batch should be a batch of indices, but it was used as one index: "
+            "the DataLoader probably got the sampler as sampler=sampler; pass it as its batch sampler, "
+            "DataLoader(dataset, batch_sampler=sampler, collate_fn=...), which reads each batch whole"
+        )
+
+    __int__ = __index__
 
 
 # -- checks and warnings ---------------------------------------------------------------------
