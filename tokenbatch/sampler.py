@@ -363,7 +363,10 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
         plan = self._make_plan(self._epoch, history)  # raises before any change
         self._move(self._epoch, max_tokens, history, steps_done, plan)
         logger.info(
-            "epoch %d: re-planned from step %d under max_tokens=%g", self._epoch, steps_done, max_tokens
+            "epoch %d: re-planned from step %d under max_tokens=%s",
+            self._epoch,
+            steps_done,
+            _checks.budget(max_tokens),
         )
 
     def _move(

@@ -577,8 +577,8 @@ class TokenBudgetMixin(_TrainerBase):
         )
         if total != self.state.max_steps:  # more steps after a halving, fewer after growth
             logger.info(
-                "max_tokens=%g: %d optimizer steps instead of %d",
-                sampler.max_tokens,
+                "max_tokens=%s: %d optimizer steps instead of %d",
+                _checks.budget(sampler.max_tokens),
                 total,
                 self.state.max_steps,
             )
