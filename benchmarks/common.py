@@ -1,9 +1,11 @@
 """Helpers shared by the benchmark scripts: data, timing, and writing results.
 
 Every benchmark is a module ``benchmarks/<name>.py`` with ``main(argv=None)``
-that accepts ``--quick`` (about a minute on a 2-core CPU) and ``--out DIR``
-(default ``benchmarks/results``; ``benchmarks/results-quick`` with ``--quick``,
-so quick numbers never replace the committed ones) and writes ``<name>.json``
+that accepts ``--quick`` (about a minute on a 2-core CPU), ``--smoke`` (for the
+tests: the fewest steps that still write every field; it implies ``--quick``, and
+its figures mean nothing) and ``--out DIR`` (default ``benchmarks/results``;
+``benchmarks/results-quick`` with ``--quick``, so quick numbers never replace the
+committed ones) and writes ``<name>.json``
 (machine-readable) and ``<name>.md`` (a Markdown table headed by the command
 that made it).
 """
@@ -114,6 +116,7 @@ class _Parser(argparse.ArgumentParser):
         self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
     ) -> tuple[argparse.Namespace, list[str]]:
         parsed, rest = super().parse_known_args(args, namespace)
+        parsed.quick = parsed.quick or parsed.smoke
         parsed.out = output_folder(parsed.out, parsed.quick)
         return parsed, rest
 
@@ -122,6 +125,12 @@ def parser(name: str, description: str) -> argparse.ArgumentParser:
     """An argument parser with the options every benchmark takes."""
     result = _Parser(prog=f"python -m benchmarks.{name}", description=description)
     result.add_argument("--quick", action="store_true", help="a small run, about a minute on 2 CPU cores")
+    result.add_argument(
+        "--smoke",
+        action="store_true",
+        help="for the tests: the fewest steps that still write every field (implies --quick; the "
+        "figures mean nothing)",
+    )
     result.add_argument(
         "--out",
         type=Path,

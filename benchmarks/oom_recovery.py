@@ -352,7 +352,7 @@ COLUMNS = [
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parser(NAME, __doc__.splitlines()[0]).parse_args(argv)
     torch.set_num_threads(1)
-    count, repeats, pairs = (48, 1, 3) if args.quick else (480, 3, 30)
+    count, repeats, pairs = (48, 1, 1) if args.smoke else (48, 1, 3) if args.quick else (480, 3, 30)
     budget = 512
     data, collator, source = setup(count)
     print(f"recovery: {count} {source} rows, max_tokens={budget}, {repeats} repeat(s)", file=sys.stderr)

@@ -105,7 +105,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     sizes = [10**4, 10**5, 10**6] if args.quick else [10**4, 10**5, 10**6, 10**7]
     rows = []
     for n in sizes:
-        repeats = 3 if args.quick else (5 if n >= 10**7 else 9)
+        repeats = 1 if args.smoke else 3 if args.quick else (5 if n >= 10**7 else 9)
         row = time_one(n, repeats)
         row.update(peak_memory(n))
         rows.append(row)

@@ -74,7 +74,7 @@ def _lognormal(n: int, seed: int = 2) -> np.ndarray:
     return np.clip(np.rint(rng.lognormal(math.log(300), 1.0, n)), 8, 4096).astype(np.int64)
 
 
-def datasets(quick: bool) -> list[Dataset]:
+def datasets(quick: bool, smoke: bool = False) -> list[Dataset]:
     linear, quadratic = CostModel(), CostModel(quadratic=1 / 1024)
     emotion = _real("emotion", None) or (
         np.clip(np.rint(np.random.default_rng(0).lognormal(math.log(20), 0.5, 16000)), 3, 87).astype(
@@ -88,7 +88,7 @@ def datasets(quick: bool) -> list[Dataset]:
         ),
         "SYNTHETIC IMDB-like (no data dir found): lognormal median 230, 10..512",
     )
-    n = 200_000 if quick else 1_000_000
+    n = 20_000 if smoke else 200_000 if quick else 1_000_000
     big = (_lognormal(n), f"synthetic: {n} lognormal lengths, median 300, sigma 1, clipped to 8..4096")
     result = [
         Dataset("emotion", *emotion, "linear", linear, 4096),
@@ -335,7 +335,7 @@ def markdown(
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = common.parser("streaming", __doc__.splitlines()[0] if __doc__ else "").parse_args(argv)
-    sets = datasets(args.quick)
+    sets = datasets(args.quick, args.smoke)
     buffers = BUFFERS[:2] if args.quick else BUFFERS
     epochs, repeats = (1, 1) if args.quick else (3, 3)
     rows = [row for data in sets for row in run_dataset(data, buffers, epochs, repeats)]

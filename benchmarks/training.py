@@ -221,10 +221,10 @@ def main(argv: list[str] | None = None) -> None:
         )
     args.epochs = args.epochs or (1 if args.quick else 3)
     args.tokenbatch_epochs = args.tokenbatch_epochs or args.epochs
-    args.train_limit = args.train_limit or (240 if args.quick else None)
-    args.eval_limit = args.eval_limit or (200 if args.quick else None)
+    args.train_limit = args.train_limit or (24 if args.smoke else 240 if args.quick else None)
+    args.eval_limit = args.eval_limit or (12 if args.smoke else 200 if args.quick else None)
     args.tokenbatch_lrs = args.tokenbatch_lrs or ("5e-5" if args.quick else "5e-5,1e-4,2e-4")
-    args.rounds = (2 if args.quick else 6) if args.rounds is None else args.rounds
+    args.rounds = (1 if args.smoke else 2 if args.quick else 6) if args.rounds is None else args.rounds
     model = common.minilm_path()
     budget, longest, crossover = worst_case_budget(model, data / "emotion", args.train_limit, args.batch_size)
     shared = ["--model_name", model, "--data_dir", str(data / "emotion"), "--seed", str(args.seed)]

@@ -1,13 +1,15 @@
-"""The benchmark suite runs end to end (``python -m benchmarks --quick``), and its metrics are right."""
+"""The benchmark suite runs end to end (``python -m benchmarks --smoke``), and its metrics are right."""
 
 from __future__ import annotations
 
 import itertools
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -28,49 +30,76 @@ from tokenbatch.compare import (  # noqa: E402
 )
 from tokenbatch.plan import lower_bound_steps  # noqa: E402
 
-MODULES = ("padding", "planning", "training", "oom_recovery", "probe", "gpu")
+MODULES = ("padding", "planning", "training", "oom_recovery", "probe", "gpu", "streaming")
+# A bound against a hang only: the smoke run takes about 5 minutes of CPU time (one core), so a machine
+# busy with other work takes several times as long, and this must not fail it (issue 29).
+HANG_SECONDS = 1800
 
 
-@pytest.fixture(scope="module")
-def quick_results(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One quick run of the whole suite, shared by the checks below."""
-    out = tmp_path_factory.mktemp("bench")
+def run_smoke_suite(out: Path) -> None:
+    """``python -m benchmarks --smoke --out OUT``: each benchmark in the fewest steps that write every field.
+
+    Its own bound, ``HANG_SECONDS``, is far above what the run takes, and says so when it expires:
+    a loaded machine only makes this slower, not wrong. On any exit of this function, the run and
+    the benchmarks it started are stopped, so that they do not keep the cores busy.
+    """
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
     env.update(HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-    committed = [REPO / "benchmarks" / "RESULTS.md", *common.RESULTS.glob("*.*")]
-    before = {path: path.read_bytes() for path in committed}
-    done = subprocess.run(
-        [sys.executable, "-m", "benchmarks", "--quick", "--out", str(out)],
+    command = [sys.executable, "-m", "benchmarks", "--smoke", "--out", str(out)]
+    child = subprocess.Popen(
+        command,
         cwd=REPO,
         env=env,
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
         text=True,
-        timeout=540,
-        check=False,
+        start_new_session=True,
     )
-    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
-    assert {path: path.read_bytes() for path in committed} == before, "a quick run rewrote committed results"
-    return out
+    try:
+        output, _ = child.communicate(timeout=HANG_SECONDS)
+    except subprocess.TimeoutExpired:
+        os.killpg(child.pid, signal.SIGKILL)
+        output, _ = child.communicate()
+        pytest.fail(
+            f"python -m benchmarks --smoke gave no result in {HANG_SECONDS} s, a bound against a hang "
+            f"only (the run takes about 5 minutes of CPU time); its output ends: {output[-4000:]}"
+        )
+    finally:
+        if child.poll() is None:
+            os.killpg(child.pid, signal.SIGKILL)
+            child.wait()
+    assert child.returncode == 0, output[-8000:]
 
 
 @pytest.mark.slow
-def test_every_written_benchmark_leaves_results(quick_results: Path) -> None:
+@pytest.mark.timeout(0)  # not the suite's per-test limit: HANG_SECONDS, far above the run, bounds it
+def test_the_suite_runs_and_its_results_are_sane(tmp_path: Path) -> None:
+    """One run for every check: a module-scoped fixture would be set up on each xdist worker using it."""
+    committed = [REPO / "benchmarks" / "RESULTS.md", *common.RESULTS.glob("*.*")]
+    before = {path: path.read_bytes() for path in committed}
+    run_smoke_suite(tmp_path)
+    assert {path: path.read_bytes() for path in committed} == before, "a smoke run rewrote committed results"
+    check_every_benchmark_leaves_results(tmp_path)
+    check_padding(json.loads((tmp_path / "padding.json").read_text()))
+    check_planning(json.loads((tmp_path / "planning.json").read_text()))
+    assert json.loads((tmp_path / "gpu.json").read_text())["skipped"] is (not torch.cuda.is_available())
+    check_training(json.loads((tmp_path / "training.json").read_text()))
+
+
+def check_every_benchmark_leaves_results(out: Path) -> None:
     for name in MODULES:
-        if (REPO / "benchmarks" / f"{name}.py").exists():
-            data = json.loads((quick_results / f"{name}.json").read_text())
-            assert data["benchmark"] == name
-            assert (quick_results / f"{name}.md").read_text().startswith("Command: `python -m benchmarks.")
-    page = (quick_results / "RESULTS.md").read_text()
+        data = json.loads((out / f"{name}.json").read_text())
+        assert data["benchmark"] == name
+        assert (out / f"{name}.md").read_text().startswith("Command: `python -m benchmarks."), name
+    page = (out / "RESULTS.md").read_text()
     assert "## Padding and steps" in page and "## Planning speed" in page
     for png in ("padding_efficiency.png", "padding_steps.png", "planning_time.png"):
-        assert (quick_results / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert f"]({png})" in page
 
 
-@pytest.mark.slow
-def test_padding_results_are_sane(quick_results: Path) -> None:
-    data = json.loads((quick_results / "padding.json").read_text())
+def check_padding(data: dict[str, Any]) -> None:
     rows = data["rows"]
     assert {r["method"] for r in rows} >= set(padding.METHODS)
     assert {r["processes"] for r in rows} == {1, 2}
@@ -103,21 +132,15 @@ def test_padding_results_are_sane(quick_results: Path) -> None:
     ]
 
 
-@pytest.mark.slow
-def test_planning_and_gpu_results_are_sane(quick_results: Path) -> None:
-    planning = json.loads((quick_results / "planning.json").read_text())
+def check_planning(planning: dict[str, Any]) -> None:
     assert [r["n"] for r in planning["rows"]] == [10**4, 10**5, 10**6]
     for row in planning["rows"]:
         for key in ("argsort_s", "first_plan_s", "epoch_plan_s", "first_over_argsort", "epoch_over_argsort"):
             assert row[key] > 0, (key, row)
         assert row["first_plan_peak_bytes_per_sample"] > row["input_bytes_per_sample"]
-    gpu_result = json.loads((quick_results / "gpu.json").read_text())
-    assert gpu_result["skipped"] is (not torch.cuda.is_available())
 
 
-@pytest.mark.slow
-def test_training_arms_train_and_score_every_text_once(quick_results: Path) -> None:
-    data = json.loads((quick_results / "training.json").read_text())
+def check_training(data: dict[str, Any]) -> None:
     settings, arms = data["settings"], data["arms"]
     assert set(arms) == {"seed lr=5e-05", "tokenbatch lr=5e-05"}
     tokens = {e["real_tokens"] for arm in arms.values() for e in arm["epochs"]}

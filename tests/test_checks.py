@@ -198,3 +198,29 @@ def test_a_datasets_column_of_text_or_with_nulls_is_named(tokenized: Any) -> Non
     assert "lengths[0]='t' is text" in message and "tokenbatch.text_lengths" in message
     holes = datasets.Dataset.from_dict({"input_ids": [[1, 2], None, [3]]})
     assert _message(holes["input_ids"]) == "lengths should hold integers, but lengths[1]=None"
+
+
+def test_budgets_read_rounded_in_messages_but_stay_exact_in_state() -> None:
+    from tokenbatch.oom import OOMEvent
+
+    assert [_checks.budget(x) for x in (2047.5, 16384.0, 1.5e6, 99.5, 12.0, 0.001, 1e30)] == [
+        "2048",
+        "16384",
+        "1500000",
+        "99.5",
+        "12",
+        "0.001",
+        "1e+30",
+    ]
+    event = OOMEvent(
+        epoch=0,
+        step=3,
+        mode="split",
+        old_max_tokens=4095.0,
+        new_max_tokens=2047.5,
+        longest=87,
+        ranks=(0,),
+        where=("forward",),
+    )
+    assert "max_tokens 4095 -> 2048 (micro-batches)" in str(event)
+    assert event.as_dict()["new_max_tokens"] == 2047.5

@@ -25,6 +25,7 @@ from tokenbatch import (
     TokenBudgetBatchSampler,
     auto_budget,
 )
+from tokenbatch._checks import budget
 from tokenbatch.probe import BudgetCache, BudgetKey, MemoryModel, parse_memory
 from tokenbatch.probe._auto import model_name
 
@@ -221,7 +222,7 @@ def test_the_probe_resolves_logs_and_is_remembered(
     assert result.source == "probe" and result.probe is not None and result.probe.fit is not None
     assert sampler.max_tokens == result.max_tokens
     assert 0.7 < result.max_tokens / result.estimate < 1.3  # the analytic estimate is close on this BERT
-    assert f"resolved to max_tokens={result.max_tokens:g} from the probe" in caplog.text
+    assert f"resolved to max_tokens={budget(result.max_tokens)} from the probe" in caplog.text
     entry = BudgetCache(tmp_path / "budgets.json").get(result.key)
     assert entry is not None and entry["source"] == "probe" and entry["max_tokens"] == result.max_tokens
     again = TokenBudgetBatchSampler(LENGTHS, max_tokens="auto")

@@ -325,3 +325,38 @@ def test_a_guarded_dataloader_reading_the_global_plan_itself_is_refused(
     shares = [DataLoader(range(100), batch_sampler=BatchSamplerShard(sampler, 2, r)) for r in range(2)]
     assert sorted(int(i) for share in shares for batch in share for i in batch) == list(range(100))
     assert len(list(sampler)) == 2 * sampler.plan.num_steps  # the global plan itself, as before
+
+
+# -- passed as sampler= instead of batch_sampler= (issue 29) ------------------------------------
+
+
+SAMPLER_NOT_BATCH_SAMPLER = (
+    r"batch should be a batch of indices, but it was used as one index.*batch_sampler=sampler"
+)
+
+
+@pytest.mark.parametrize("dataset", ["datasets", "list", "range"])
+def test_given_as_sampler_the_dataloader_gets_an_error_that_names_batch_sampler(dataset: str) -> None:
+    import datasets
+
+    lengths = [5, 3, 8, 2, 7, 4] * 4
+    data: Any = {
+        "datasets": datasets.Dataset.from_dict({"x": list(range(len(lengths)))}),
+        "list": list(range(len(lengths))),
+        "range": range(len(lengths)),
+    }[dataset]
+    sampler = TokenBudgetBatchSampler(lengths, max_tokens=16, seed=1)
+    with pytest.raises(TypeError, match=SAMPLER_NOT_BATCH_SAMPLER):
+        next(iter(DataLoader(data, sampler=sampler)))  # datasets' own error: int() ... not 'list'
+    with pytest.raises(
+        ValueError, match=r"should take the sampler as its batch_sampler, but it got it as sampler="
+    ):
+        next(iter(OOMFallback(sampler, torch.nn.Linear(2, 2)).iterate(DataLoader(data, sampler=sampler))))
+    # As batch_sampler=, the batches are lists like any other, whatever reads them.
+    batches = list(DataLoader(data, batch_sampler=sampler, collate_fn=list))
+    assert sorted(i if isinstance(i, int) else i["x"] for batch in batches for i in batch) == list(
+        range(len(lengths))
+    )
+    first = next(iter(sampler))
+    assert first == list(first) and isinstance(first, list)
+    assert torch.arange(30)[first].tolist() == first and np.arange(30)[first].tolist() == first

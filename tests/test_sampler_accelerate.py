@@ -203,6 +203,13 @@ def _check_options(options: dict[str, Any], processes: int) -> None:
         assert forgot[0].startswith("TokenBudgetBatchSampler: epoch 0 is iterated again in full")
         assert "Call sampler.set_epoch(epoch) before each epoch" in forgot[0]
     assert options["set_epoch"]["called"] == 0  # no warning once set_epoch is called
+    # The README's loop without sampler.set_epoch(epoch): the guard keeps the sampler's epoch (accelerate's
+    # own count would be sent back to it on a resume), so on one process too every epoch is epoch 0 again,
+    # and the documented warning fires, once.
+    guarded = options["set_epoch_guard"]
+    assert guarded["same"] and guarded["epoch"] == 0
+    assert len(guarded["forgot"]) == 1, guarded["forgot"]
+    assert guarded["forgot"][0].startswith("TokenBudgetBatchSampler: epoch 0 is iterated again in full")
 
 
 # -- accelerate's batch-shape options (issue 15 item 3) ------------------------------------
@@ -278,3 +285,24 @@ def test_equal_lengths_warn_and_say_to_pad_dynamically() -> None:
         warnings.simplefilter("error")
         TokenBudgetBatchSampler([128] * 999 + [127], 2048)
         TokenBudgetBatchSampler([128], 2048)  # one sample: nothing to tell
+
+
+# -- accelerate training alone on each process of a launch (issue 30) ---------------------------
+
+
+@pytest.mark.slow
+def test_accelerate_alone_on_each_process_is_refused_on_every_rank(torchrun: Any, tmp_path: Path) -> None:
+    """torchrun on CPU without ACCELERATE_USE_CPU=1: a process group of 2, accelerate sees 1 process."""
+    torchrun(REPO / "tests" / "scripts" / "accelerate_alone.py", tmp_path, env={"ACCELERATE_USE_CPU": "0"})
+    for rank in (0, 1):
+        report = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert (report["world"], report["num_processes"]) == (2, 1)
+        for case in ("guard", "guard, no accelerator", "loop", "stream"):
+            error = report[case]
+            assert error is not None, (rank, case)
+            assert error.startswith(
+                "RuntimeError: num_processes should be torch.distributed's world size 2, but accelerate "
+                "got num_processes=1"
+            ), (rank, case, error)
+            assert "set ACCELERATE_USE_CPU=1" in error
+        assert report["drawn"] == 0  # refused before the first batch

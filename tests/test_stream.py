@@ -430,3 +430,15 @@ def test_persistent_workers_see_set_epoch() -> None:
 
 def ids_of(batch: list[dict[str, int]]) -> list[int]:
     return [e["i"] for e in batch]
+
+
+def test_the_guard_refuses_a_dataloader_that_batches_the_streams_batches_again() -> None:
+    """DataLoader(stream) without batch_size=None: each batch in a list of its own (issue 30)."""
+    from tokenbatch import OOMFallback
+
+    stream = TokenBudgetStream(make_examples([5, 3, 8, 2, 7, 4] * 4), 16, length="length", buffer_size=8)
+    fallback = OOMFallback(stream, torch.nn.Linear(2, 2))
+    message = r"batch_size should be None in the DataLoader over a TokenBudgetStream, but got batch_size=1"
+    with pytest.raises(ValueError, match=message):
+        next(iter(fallback.iterate(DataLoader(stream, collate_fn=list))))
+    assert next(iter(fallback.iterate(DataLoader(stream, batch_size=None, collate_fn=list))))

@@ -1,5 +1,11 @@
 """What tokenbatch reads of accelerate's public state: the prepared DataLoader being iterated now.
 
+And how many processes accelerate trains on (``accelerate.state.is_initialized``
+and ``AcceleratorState().num_processes``), against ``torch.distributed``'s world
+size: under ``torchrun`` or ``accelerate launch --multi_gpu`` on a machine without
+a GPU, accelerate starts the process group and then trains alone on each process
+unless ``ACCELERATE_USE_CPU=1`` says to use it (see :func:`check_processes`).
+
 accelerate registers every prepared DataLoader it iterates in its
 ``GradientState`` singleton (the documented ``in_dataloader`` and
 ``active_dataloader`` properties), in ``begin()``, before that DataLoader
@@ -17,6 +23,8 @@ from __future__ import annotations
 
 import sys
 from typing import Any
+
+from tokenbatch import _distributed as distributed
 
 _DEPTH = 4  # DataLoader -> accelerate's BatchSamplerShard or SkipBatchSampler -> ... -> the sampler
 
@@ -69,3 +77,38 @@ def skipped_batches(chain: list[Any]) -> int:
     if skipper is None:
         return 0
     return sum(int(sampler.skip_batches) for sampler in chain if isinstance(sampler, skipper))
+
+
+def processes() -> int | None:
+    """The processes accelerate's ``Accelerator`` trains on, or None (no Accelerator made yet)."""
+    state = sys.modules.get("accelerate.state")
+    if state is None or not state.is_initialized():
+        return None
+    return int(state.AcceleratorState().num_processes)
+
+
+def check_processes(num_processes: int | None = None) -> None:
+    """Refuse a run that accelerate trains as one process where ``torch.distributed`` has started several.
+
+    Each process would then train every sample alone, and all of them would write the same
+    checkpoints. Every rank sees the same, so every rank raises, before any step.
+
+    Args:
+        num_processes: what the accelerator (or the Trainer's) says; default: accelerate's state.
+
+    Raises:
+        RuntimeError: accelerate sees one process in a process group of several.
+    """
+    seen = processes() if num_processes is None else num_processes
+    world = distributed.world_size() if distributed.is_initialized() else 1
+    if seen != 1 or world == 1:
+        return
+    raise RuntimeError(
+        f"num_processes should be torch.distributed's world size {world}, but accelerate got "
+        f"num_processes=1: it started the process group of the {world} processes of this launch, yet "
+        f"trains alone on each, so each would train every sample (DistributedType.NO). On a machine "
+        f"without a GPU, accelerate uses several processes only when told to: set ACCELERATE_USE_CPU=1 "
+        f"(ACCELERATE_USE_CPU=1 torchrun --nproc_per_node {world} train.py, or ACCELERATE_USE_CPU=1 "
+        f"accelerate launch --multi_gpu --num_processes {world} train.py), or pass Accelerator(cpu=True) "
+        f"or TrainingArguments(use_cpu=True); with GPUs, check that every process sees one"
+    )

@@ -1,4 +1,4 @@
-"""Argument checks shared by the public classes.
+"""Argument checks shared by the public classes, and how a budget reads in messages.
 
 Every message names the argument, the value it got and what to pass instead,
 so a user can fix the call without reading our source.
@@ -13,6 +13,12 @@ from numbers import Integral, Real
 from typing import Any
 
 import numpy as np
+
+
+def budget(value: float) -> str:
+    """A budget as people read it in logs and events: whole units from 100 to a billion (``2048``,
+    not ``2047.5``), else 3 significant digits (``12.5``, ``1e+30``). State dicts keep the exact number."""
+    return f"{value:.0f}" if 100 <= abs(value) < 1e9 else f"{value:.3g}"
 
 
 def positive_number(name: str, value: Any) -> float:

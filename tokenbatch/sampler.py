@@ -327,7 +327,7 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
                     # Counted as the step's last batch goes out: a DataLoader without workers asks for
                     # a batch only when the loop wants it, so k batches taken are k steps yielded.
                     self._yielded = step + 1
-                yield plan.batch(plan.step_start(step) + slot).tolist()
+                yield _Batch(plan.batch(plan.step_start(step) + slot).tolist())
         if self._version == version:
             self._start, self._finished = 0, version
 
@@ -366,7 +366,10 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
         plan = self._make_plan(self._epoch, history)  # raises before any change
         self._move(self._epoch, max_tokens, history, steps_done, plan)
         logger.info(
-            "epoch %d: re-planned from step %d under max_tokens=%g", self._epoch, steps_done, max_tokens
+            "epoch %d: re-planned from step %d under max_tokens=%s",
+            self._epoch,
+            steps_done,
+            _checks.budget(max_tokens),
         )
 
     def _move(
@@ -394,6 +397,9 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
         self._read_by = None if loader is None else (self._version, weakref.ref(loader))
         if loader is None:
             return
+        # One process to accelerate, several to torch.distributed: the plan is made for the process group,
+        # and accelerate would give every process every rank's batches.
+        _accelerate.check_processes()
         chain = _accelerate.batch_samplers(loader)
         if _accelerate.is_dispatcher(loader):
             raise ValueError(
@@ -584,6 +590,27 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
         steps_done = _checks.non_negative_int("state['steps_done']", state["steps_done"])
         replans = _read_replans(state["replans"])
         return epoch, max_tokens, History(epoch_max_tokens, world, replans), steps_done
+
+
+class _Batch(list[int]):
+    """A batch of indices, as the sampler yields it: a list that refuses to be taken for one index.
+
+    ``DataLoader(dataset, sampler=sampler)`` (for ``batch_sampler=``) hands each batch to the
+    dataset as if it were one index, where a plain list ends in an error that does not say why
+    (``datasets``: ``int() argument must be ... not 'list'``; a list or range: ``list indices must
+    be integers``). Everything a list does otherwise, this does.
+    """
+
+    __slots__ = ()
+
+    def __index__(self) -> int:
+        raise TypeError(
+            "a TokenBudgetBatchSampler batch should be a batch of indices, but it was used as one index: "
+            "the DataLoader probably got the sampler as sampler=sampler; pass it as its batch sampler, "
+            "DataLoader(dataset, batch_sampler=sampler, collate_fn=...), which reads each batch whole"
+        )
+
+    __int__ = __index__
 
 
 # -- checks and warnings ---------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """Fine-tune a causal LM with TRL's SFTTrainer under a token budget: emotion texts -> their label's name.
 
-Each text is a prompt, its label's name the completion that the loss trains on. See docs/trl.md.
+Each text is a prompt, its label's name the completion that the loss trains on. See README.md beside
+this file (and its offline recipe: a tiny Llama built from a config) and docs/trl.md.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ import json
 import math
 from argparse import ArgumentDefaultsHelpFormatter, ArgumentParser, Namespace
 from pathlib import Path
+from typing import Any
 
 import torch
 from datasets import Dataset, DatasetDict, load_dataset
@@ -18,6 +20,7 @@ from trl import SFTConfig
 from tokenbatch.integrations.trl import TokenBudgetSFTTrainer
 
 LABELS = ("sadness", "joy", "love", "anger", "fear", "surprise")
+OFFLINE = "examples/sft/README.md builds a tiny one offline (Offline, on CPU)"
 
 
 def parse_args(argv: list[str] | None = None) -> Namespace:
@@ -43,7 +46,14 @@ def parse_args(argv: list[str] | None = None) -> Namespace:
 def load_pairs(data_dir: Path | None) -> DatasetDict:
     """The emotion splits as prompt/completion pairs (TRL trains on the completion only)."""
     if data_dir is None:
-        data = load_dataset("dair-ai/emotion")
+        try:
+            data = load_dataset("dair-ai/emotion")
+        except Exception as error:  # offline, no cache, or the hub is down: say what to do instead
+            raise SystemExit(
+                f"Could not load the dair-ai/emotion dataset from the Hugging Face Hub "
+                f"({type(error).__name__}: {error}).\nWithout hub access, pass --data_dir DIR with "
+                f'train.jsonl and validation.jsonl holding one {{"text": ..., "label": 0-5}} per line.'
+            ) from None
     else:
         files = {split: str(data_dir / f"{split}.jsonl") for split in ("train", "validation")}
         data = load_dataset("json", data_files=files)
@@ -56,11 +66,30 @@ def load_pairs(data_dir: Path | None) -> DatasetDict:
     )
 
 
+def load_model(name: str) -> tuple[Any, Any]:
+    """The tokenizer and causal LM ``name`` (``--model_name``), or an error that says what to pass."""
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name)
+        model = AutoModelForCausalLM.from_pretrained(name)
+    except (OSError, ValueError) as error:
+        raise SystemExit(
+            f"Could not load --model_name {name} ({type(error).__name__}: {error}).\nWithout hub access, "
+            f"pass --model_name PATH to a local causal LM directory; {OFFLINE}."
+        ) from None
+    if tokenizer.eos_token is None:  # TRL appends it to every completion, and fails on None
+        raise SystemExit(
+            f"The tokenizer of --model_name {name} has no eos_token, which SFTTrainer appends to every "
+            f"completion. Give it one and save it with the model (AutoTokenizer.from_pretrained(..., "
+            f'eos_token="[SEP]").save_pretrained(PATH) for a BERT tokenizer), or pass a causal LM\'s '
+            f"tokenizer; {OFFLINE}."
+        )
+    return tokenizer, model
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     data = load_pairs(args.data_dir)
-    tokenizer = AutoTokenizer.from_pretrained(args.model_name)
-    model = AutoModelForCausalLM.from_pretrained(args.model_name)
+    tokenizer, model = load_model(args.model_name)
     config = SFTConfig(
         args.output_dir,
         num_train_epochs=args.num_epochs,

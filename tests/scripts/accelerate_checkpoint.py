@@ -16,7 +16,8 @@ epoch, and what the set-ups that cannot be exact did: the sampler itself
 registered (its own count runs ahead of the loop), ``split_batches``,
 ``dispatch_batches``, ``skip_first_batches`` after ``load_state``,
 ``use_stateful_dataloader`` with the sampler registered too, and a second
-epoch without ``set_epoch``.
+epoch without ``set_epoch``, in a loop over the DataLoader and in the README's
+loop (``fallback.iterate``).
 """
 
 from __future__ import annotations
@@ -181,6 +182,25 @@ def options(root: Path) -> dict[str, Any]:
             sampler.set_epoch(epoch)
             _ = [batch for batch in loader]
         report["set_epoch"] = {"forgot": forgot, "same": epochs[0] == epochs[1], "called": len(caught)}
+    # The README's loop (the guard, fallback.step) with its set_epoch line left out: the guard keeps
+    # the sampler's epoch on one process too, so every epoch is epoch 0 again, and the warning says so.
+    accelerator, sampler, model, optimizer, loader, fallback = build(0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        epochs = []
+        for _ in range(3):
+            trained = []
+            for batch in fallback.iterate(loader):
+                if fallback.backward(batch, lambda b: model(b["input_ids"])) is not None:
+                    fallback.step(optimizer)
+                    optimizer.zero_grad()
+                    trained += batch["ids"].tolist()
+            epochs.append(trained)
+        report["set_epoch_guard"] = {
+            "forgot": [str(w.message) for w in caught if "set_epoch" in str(w.message)],
+            "same": epochs[0] == epochs[1] == epochs[2],
+            "epoch": sampler.epoch,
+        }
     return report
 
 

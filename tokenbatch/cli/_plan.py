@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from tokenbatch import compare
+from tokenbatch import _checks, compare
 from tokenbatch.cost import CostModel
 from tokenbatch.plan import OVERSIZE_POLICIES, OversizeSampleError, lower_bound_steps
 from tokenbatch.sampler import TokenBudgetBatchSampler
@@ -275,7 +275,7 @@ def plot_plan(sampler: TokenBudgetBatchSampler, path: Path, fixed_batch_size: in
     if fixed_batch_size is not None:
         axes.axhline(fixed_batch_size, color="tab:red", lw=1, label=f"fixed batch size {fixed_batch_size}")
     axes.set(xlabel="longest sequence in the batch (tokens)", ylabel="sequences in the batch", yscale="log")
-    axes.set_title(f"{plan.num_batches} batches under max_tokens={sampler.max_tokens:g}")
+    axes.set_title(f"{plan.num_batches} batches under max_tokens={_checks.budget(sampler.max_tokens)}")
     axes.legend()
     figure.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -289,7 +289,7 @@ def as_text(report: dict[str, Any]) -> str:
     lines = [
         f"lengths     {spread['count']} from {report['source']}: min {spread['min']:g}, "
         f"median {spread['median']:g}, p90 {spread['p90']:g}, max {spread['max']:g}",
-        f"plan        max_tokens={settings['max_tokens']:g}, {report['cost']}, "
+        f"plan        max_tokens={_checks.budget(settings['max_tokens'])}, {report['cost']}, "
         f"{settings['num_replicas']} process(es), seed {settings['seed']}, epoch {settings['epoch']}",
         f"batches     {plan['batches']} per epoch = {plan['steps']} steps "
         f"(lower bound {plan['lower_bound_steps']:.1f}: {plan['steps_over_lower_bound']:.3f}x)",

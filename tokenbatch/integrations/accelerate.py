@@ -215,7 +215,7 @@ def progress(
                 yield batch
                 bar.total = bar.total if plan is None else getattr(sampler, "plan", plan).num_steps
                 bar.n = fallback.steps_done
-                bar.set_postfix(budget=f"{fallback.max_tokens:g}", **(postfix() if postfix else {}))
+                bar.set_postfix(budget=_checks.budget(fallback.max_tokens), **(postfix() if postfix else {}))
     finally:
         close = getattr(batches, "close", None)
         if close is not None:  # a loop left early: release the DataLoader's iterator now

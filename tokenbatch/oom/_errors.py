@@ -89,7 +89,8 @@ class OOMEvent:
             action = f"a growth try failed; {action}"
         return (
             f"out of memory at epoch {self.epoch}, step {self.step}{retry} on {places}, longest sequence "
-            f"{self.longest} tokens: max_tokens {self.old_max_tokens:g} -> {self.new_max_tokens:g} ({action})"
+            f"{self.longest} tokens: max_tokens {_checks.budget(self.old_max_tokens)} -> "
+            f"{_checks.budget(self.new_max_tokens)} ({action})"
         )
 
     def replace(self, **changes: Any) -> OOMEvent:

@@ -136,7 +136,8 @@ class GrowEvent:
 
     def __str__(self) -> str:
         return (
-            f"grew max_tokens {self.old_max_tokens:g} -> {self.new_max_tokens:g} at epoch {self.epoch}, "
+            f"grew max_tokens {_checks.budget(self.old_max_tokens)} -> {_checks.budget(self.new_max_tokens)} "
+            f"at epoch {self.epoch}, "
             f"step {self.step} ({self.reason}; {self.mode} mode)"
         )
 
@@ -478,7 +479,7 @@ class Growth:
             self.search.cancel()
             return False
         if distributed.rank() == 0:
-            logger.debug("trying max_tokens=%g (from %g)", target, budget)
+            logger.debug("trying max_tokens=%s (from %s)", _checks.budget(target), _checks.budget(budget))
         return halve
 
     def _next_budget(self, budget: float) -> float | None:

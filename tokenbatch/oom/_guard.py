@@ -169,6 +169,8 @@ class OOMFallback:
             raise TypeError(
                 f"model should be a torch.nn.Module, but got model of type {type(model).__name__}"
             )
+        # Before the world-size checks below: their fixes would not mend a launch accelerate misread.
+        _accelerate.check_processes(getattr(accelerator, "num_processes", None))
         self.mode = _checks.one_of("mode", mode, MODES)
         check_weight(weight)
         if getattr(accelerator, "split_batches", False) is True:
@@ -355,9 +357,10 @@ class OOMFallback:
         and a fresh one resumes at the first step not yet trained.
 
         Raises:
-            ValueError: ``dataloader`` does not draw its batches from the sampler,
-                skips batches (``skip_first_batches``), or reads the global plan
-                (``rank=None``) itself on several processes.
+            ValueError: ``dataloader`` does not draw its batches from the sampler
+                (or takes it as ``sampler=``), skips batches (``skip_first_batches``),
+                or reads the global plan (``rank=None``) itself on several processes;
+                or, over a stream, batches its batches again (``batch_size`` not None).
         """
         if isinstance(self.sampler, TokenBudgetStream):
             return self._iterate_stream(dataloader)
@@ -394,6 +397,14 @@ class OOMFallback:
                 f"dataloader should read this fallback's stream, DataLoader(stream, batch_size=None, "
                 f"collate_fn=...), but its dataset is a {type(dataset).__name__}; pass the stream given "
                 f"to OOMFallback"
+            )
+        batch_size = getattr(dataloader, "batch_size", None)  # DataLoader's, public
+        if batch_size is not None:
+            raise ValueError(
+                f"batch_size should be None in the DataLoader over a TokenBudgetStream, but got "
+                f"batch_size={batch_size}: the stream yields whole batches (lists of examples), and the "
+                f"DataLoader would put {batch_size} of them in a list for the collator; pass "
+                f"DataLoader(stream, batch_size=None, collate_fn=...)"
             )
         self._sync()
         try:
@@ -612,6 +623,12 @@ class OOMFallback:
                 f"not yet trained. Checkpoint the fallback (fallback.state_dict(), or "
                 f"accelerator.register_for_checkpointing(fallback)) and iterate the prepared "
                 f"DataLoader itself after loading it"
+            )
+        if any(getattr(source, "sampler", None) is self.sampler for source in chain):  # torch's BatchSampler
+            raise ValueError(
+                "dataloader should take the sampler as its batch_sampler, but it got it as sampler=: it "
+                "then batches the sampler's batches again (batch_size=1); pass DataLoader(dataset, "
+                "batch_sampler=sampler, collate_fn=...)"
             )
         if chain and not any(source is self.sampler for source in chain):
             raise ValueError(

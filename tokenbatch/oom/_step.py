@@ -41,6 +41,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from tokenbatch import _checks
 from tokenbatch import _distributed as distributed
 from tokenbatch.cost import CostModel
 from tokenbatch.oom._ddp import DDPSync, GradientAverage, OverlapReducer, Round, unsupported
@@ -261,9 +262,9 @@ def next_event(
         rank, length = single[0], failing[single[0]].longest
         raise SampleTooLargeError(
             f"a single sample of {length} tokens ran out of memory on its own (rank {rank}, epoch "
-            f"{epoch}, step {step}, max_tokens={max_tokens:g}); nothing smaller is left to try: truncate "
-            f"sequences below {length} tokens (the tokenizer's max_length), or free memory (a smaller "
-            f"model or dtype, gradient checkpointing)",
+            f"{epoch}, step {step}, max_tokens={_checks.budget(max_tokens)}); nothing smaller is left to "
+            f"try: truncate sequences below {length} tokens (the tokenizer's max_length), or free memory "
+            f"(a smaller model or dtype, gradient checkpointing)",
             length=length,
             max_tokens=max_tokens,
             step=step,
@@ -273,7 +274,8 @@ def next_event(
         if max_tokens <= min_tokens:
             raise SampleTooLargeError(
                 f"out of memory at epoch {epoch}, step {step} on rank(s) {list(failing)} (longest sequence "
-                f"{longest} tokens) with max_tokens={max_tokens:g} already at min_tokens={min_tokens:g}; "
+                f"{longest} tokens) with max_tokens={_checks.budget(max_tokens)} already at "
+                f"min_tokens={_checks.budget(min_tokens)}; "
                 f"lower min_tokens, truncate sequences, or free memory",
                 length=longest,
                 max_tokens=max_tokens,

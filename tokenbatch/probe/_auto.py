@@ -71,7 +71,7 @@ class AutoBudget:
 
     def __str__(self) -> str:
         where = {"cache": "the cache", "probe": "the probe", "estimate": "the config's estimate"}[self.source]
-        return f"max_tokens={self.max_tokens:g} from {where} ({self.key})"
+        return f"max_tokens={_checks.budget(self.max_tokens)} from {where} ({self.key})"
 
 
 def parse_memory(text: str) -> int:
@@ -276,8 +276,8 @@ def auto_budget(
             doubt = _suspect(mine, estimate, sampler)
             if doubt is not None:
                 logger.warning(
-                    "not using the cached max_tokens=%g for %s in the budget cache %s: %s; %s instead",
-                    mine,
+                    "not using the cached max_tokens=%s for %s in the budget cache %s: %s; %s instead",
+                    _checks.budget(mine),
                     key,
                     store.path,
                     doubt,
@@ -291,7 +291,9 @@ def auto_budget(
             if config is not None and estimate is None:
                 estimate = _estimate(model, config, dtype, device, cost, lengths, limit, margin)
             if estimate is not None:
-                logger.info("max_tokens='auto': the config's estimate is %g for %s", estimate, key)
+                logger.info(
+                    "max_tokens='auto': the config's estimate is %s for %s", _checks.budget(estimate), key
+                )
             elif not measure:
                 raise ValueError(
                     f"auto_budget(measure=False) needs a transformers config for the estimate, but "
@@ -398,11 +400,11 @@ def _agree(budget: float, fresh: float, source: str, error: Exception | None) ->
     smallest = min(range(len(ranks)), key=lambda r: ranks[r][0])
     if smallest != distributed.rank():
         logger.info(
-            "max_tokens='auto': rank %d's budget %g (from its %s) is the smallest; this rank's was %g (%s)",
+            "max_tokens='auto': rank %d's budget %s (from its %s) is the smallest; this rank's was %s (%s)",
             smallest,
-            ranks[smallest][0],
+            _checks.budget(ranks[smallest][0]),
             ranks[smallest][2],
-            budget,
+            _checks.budget(budget),
             source,
         )
     return ranks[smallest][0], min(r[1] for r in ranks), ranks[smallest][2]
@@ -415,4 +417,6 @@ def _remember(
     try:
         store.put(key, budget, source=source, cost=entry_cost, memory_limit=limit)
     except (OSError, ValueError) as error:  # a cache is a convenience: never stop for it
-        logger.warning("could not remember max_tokens=%g in %s: %s", budget, store.path, error)
+        logger.warning(
+            "could not remember max_tokens=%s in %s: %s", _checks.budget(budget), store.path, error
+        )

@@ -231,9 +231,11 @@ def remember_budget(fallback: OOMFallback, key: BudgetKey, cache: BudgetCache | 
         try:
             fallback.start_from(cached)
         except OversizeSampleError as error:
-            logger.warning("not starting from the cached max_tokens=%g for %s: %s", cached, key, error)
+            logger.warning(
+                "not starting from the cached max_tokens=%s for %s: %s", _checks.budget(cached), key, error
+            )
         else:
-            logger.info("starting from max_tokens=%g remembered for %s", cached, key)
+            logger.info("starting from max_tokens=%s remembered for %s", _checks.budget(cached), key)
 
     def save(fallback: OOMFallback) -> None:
         if distributed.rank() != 0:
@@ -242,7 +244,10 @@ def remember_budget(fallback: OOMFallback, key: BudgetKey, cache: BudgetCache | 
             store.put(key, fallback.max_tokens, source="oom", mode=fallback.mode)
         except (OSError, ValueError) as error:  # a cache is a convenience: never stop training for it
             logger.warning(
-                "could not remember max_tokens=%g in %s: %s", fallback.max_tokens, store.path, error
+                "could not remember max_tokens=%s in %s: %s",
+                _checks.budget(fallback.max_tokens),
+                store.path,
+                error,
             )
 
     fallback.add_listener(save)

@@ -362,6 +362,7 @@ def default_agreement(reader: Reader, *, stream: object, in_worker: bool) -> Agr
     refusal = _accelerate_refusal(stream)
     if refusal is not None:
         raise RuntimeError(refusal)
+    _accelerate.check_processes()  # an Accelerator training alone on each of these ranks
     if in_worker:
         raise RuntimeError(
             _WORKERS_AND_RANKS.format(

@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
-from tokenbatch import _checks
+from tokenbatch import _accelerate, _checks
 from tokenbatch.cost import CostModel
 from tokenbatch.lengths import column_lengths
 from tokenbatch.oom import EvalGuard, Grow, OOMEvent, OOMFallback
@@ -277,6 +277,8 @@ class TokenBudgetMixin(_TrainerBase):
         self._eval_steps: tuple[str, int] | None = None  # the last evaluation's prefix and batches
         self._lr_step = StepScaling(lr_scaling, lr_scaling_by, lr_reference, sampler=lambda: self._sampler)
         super().__init__(*args, **kwargs)
+        # On every rank, before any step: Trainer's accelerator training alone on each process of a launch.
+        _accelerate.check_processes(self.accelerator.num_processes)
         self.token_cost = self._layout_cost()
         sharded = bool(self.is_deepspeed_enabled or self.is_fsdp_enabled)
         check_supported(self.args, self.oom_mode, sharded=sharded)
@@ -589,8 +591,8 @@ class TokenBudgetMixin(_TrainerBase):
         )
         if total != self.state.max_steps:  # more steps after a halving, fewer after growth
             logger.info(
-                "max_tokens=%g: %d optimizer steps instead of %d",
-                sampler.max_tokens,
+                "max_tokens=%s: %d optimizer steps instead of %d",
+                _checks.budget(sampler.max_tokens),
                 total,
                 self.state.max_steps,
             )

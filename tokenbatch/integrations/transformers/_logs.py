@@ -19,6 +19,7 @@ import contextlib
 import logging
 from collections.abc import Callable, Iterator, Sequence
 
+from tokenbatch import _checks
 from tokenbatch.integrations.transformers._schedule import Run, planned_updates
 from tokenbatch.sampler import TokenBudgetBatchSampler
 
@@ -103,8 +104,8 @@ def training_rules(run: Callable[[], Run | None], *, accumulation: int, epochs: 
 
     def batch(run: Run, sampler: TokenBudgetBatchSampler) -> str:
         return (
-            f"Token budget per batch and device = max_tokens={sampler.max_tokens:g} (mean batch "
-            f"{mean_batch(sampler):.1f} samples in epoch {sampler.epoch}'s plan; "
+            f"Token budget per batch and device = max_tokens={_checks.budget(sampler.max_tokens)} "
+            f"(mean batch {mean_batch(sampler):.1f} samples in epoch {sampler.epoch}'s plan; "
             f"per_device_train_batch_size is not used for batching)"
         )
 
@@ -146,8 +147,9 @@ def evaluation_rules(sampler: TokenBudgetBatchSampler | None) -> list[Rule]:
         if sampler is None:
             return None
         return (
-            f"Token budget per batch = max_tokens={sampler.max_tokens:g} ({sampler.plan.num_batches} "
-            f"batches, mean batch {mean_batch(sampler):.1f} samples; per_device_eval_batch_size is not used)"
+            f"Token budget per batch = max_tokens={_checks.budget(sampler.max_tokens)} "
+            f"({sampler.plan.num_batches} batches, mean batch {mean_batch(sampler):.1f} samples; "
+            f"per_device_eval_batch_size is not used)"
         )
 
     return [("Batch size = ", batch)]

@@ -21,6 +21,7 @@ from typing import Any
 
 from transformers import TrainerCallback
 
+from tokenbatch import _checks
 from tokenbatch.integrations.transformers._feed import BudgetLoader, StreamLoader
 from tokenbatch.sampler import TokenBudgetBatchSampler
 
@@ -210,8 +211,8 @@ class RunProgress(TrainerCallback):
                 scheduler.stretch(run.max_steps)
         state.max_steps = run.max_steps
         logger.info(
-            "max_tokens=%g: %d optimizer steps over %d epochs, as the token-budget plans make them",
-            run.loader.sampler.max_tokens,
+            "max_tokens=%s: %d optimizer steps over %d epochs, as the token-budget plans make them",
+            _checks.budget(run.loader.sampler.max_tokens),
             run.max_steps,
             int(args.num_train_epochs),
         )
