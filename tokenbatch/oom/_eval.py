@@ -57,8 +57,9 @@ class EvalGuard:
 
     Call :meth:`evaluate` on every rank for every evaluation batch (ranks in
     step, as a prepared DataLoader keeps them). Under FSDP on several processes
-    the forward pass holds collectives: out of memory there raises on the rank
-    it happened on, whose process then ends (see :mod:`tokenbatch.oom._fsdp`). ``fn`` must not communicate
+    the forward pass holds collectives: out of memory (or another error) there
+    ends the process of the rank it happened on, with status 1 and the error
+    logged (see :mod:`tokenbatch.oom._fsdp`). ``fn`` must not communicate
     with other ranks: gather its results after :meth:`evaluate` returns
     (micro-batches make the number of ``fn`` calls differ between ranks).
 
@@ -144,12 +145,14 @@ class EvalGuard:
                         free_memory()
                     if self._lockstep and outcome.status != "ok":
                         # The other ranks wait inside FSDP's all-gathers: sharing the outcome would meet
-                        # them in the wrong collective. This process ends with the error, and theirs too.
-                        raise error or RuntimeError(
-                            f"evaluation batch {step} ran out of memory on rank {distributed.rank()} under "
-                            f"FSDP on {distributed.world_size()} processes, where the other ranks wait "
-                            f"inside the model's collectives and no rank can recover in place: evaluate "
-                            f"on smaller batches (a smaller max_tokens for the evaluation sampler)"
+                        # them in the wrong collective. This process ends, and their collectives with it.
+                        _fsdp.end_on_error(
+                            error
+                            or RuntimeError(
+                                "evaluation ran out of memory under FSDP on several processes: evaluate on "
+                                "smaller batches (a smaller max_tokens for the evaluation sampler)"
+                            ),
+                            f"evaluation batch {step}",
                         )
                 outcomes, _ = share(outcome)
                 if any(o.status == "error" for o in outcomes):

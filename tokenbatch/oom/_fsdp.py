@@ -19,7 +19,7 @@ error comes:
 - **by restart**, inside forward or backward on several processes: this rank
   records the lowered budget where the restarted job reads it (the guard's
   listeners, :func:`tokenbatch.probe.remember_budget`), then ends its process
-  with :data:`EXIT_CODE` (:func:`stop_for_restart`). Its closed connections
+  with :data:`EXIT_CODE` (:func:`end_process`). Its closed connections
   fail the other ranks' pending gloo collectives at once, and ``torchrun``'s
   agent stops the rest and, under ``--max-restarts``, starts every rank
   again, from the last complete checkpoint and under the lowered budget.
@@ -27,7 +27,11 @@ error comes:
 The process ends rather than raises: whatever ran after a raise on this rank
 (a ``finally`` with a barrier, a framework's teardown, a retry loop) would
 issue a collective that the other ranks, still inside FSDP's, would take for
-theirs.
+theirs; and a process that raises takes seconds to exit while it holds a
+process group (``benchmarks/fsdp_stop.py``). Any other error in the passes
+ends its process too, with status 1 (:func:`end_on_error`): on the other
+ranks that is the error of the collective whose peer has gone, so they end at
+once as well, whatever their SIGTERM handlers do.
 
 FSDP1 (``FullyShardedDataParallel``) and DeepSpeed are refused
 (:func:`check_sharding`): their engines run the same lockstep collectives, with
@@ -40,11 +44,13 @@ import contextlib
 import logging
 import os
 import sys
-from typing import Any
+from collections.abc import Iterator
+from typing import Any, NoReturn
 
 from torch import nn
 
 from tokenbatch import _distributed as distributed
+from tokenbatch.oom._errors import OptimizerOOMError, RankFailedError, SampleTooLargeError
 
 logger = logging.getLogger("tokenbatch.oom")
 
@@ -121,14 +127,48 @@ def check_sharding(model: nn.Module, accelerator: Any = None) -> None:
         )
 
 
-def stop_for_restart(message: str) -> None:
-    """End this process with :data:`EXIT_CODE` after logging ``message``; the logs are flushed first.
+def end_process(message: str, *, status: int = EXIT_CODE, error: BaseException | None = None) -> NoReturn:
+    """End this process with ``status`` after logging ``message`` (and ``error``'s traceback), logs flushed.
 
     Nothing else runs on this rank (no ``finally``, no ``atexit``): see the module.
     """
-    logger.error("%s", message)
+    logger.error("%s", message, exc_info=(type(error), error, error.__traceback__) if error else None)
     # A handler or stream that cannot flush must not keep the process alive: the other ranks wait.
     for flushable in [*logging.getLogger().handlers, *logger.handlers, sys.stdout, sys.stderr]:
         with contextlib.suppress(Exception):
             flushable.flush()
-    os._exit(EXIT_CODE)
+    os._exit(status)
+
+
+@contextlib.contextmanager
+def ends_on_error(where: str) -> Iterator[None]:
+    """Around the guard's agreements under FSDP: an error that not every rank raises ends the process.
+
+    The guard's own verdicts (:class:`~tokenbatch.oom.OptimizerOOMError`, ...) come on every rank
+    together and are raised; anything else (a collective whose peer has gone) goes to
+    :func:`end_on_error`.
+    """
+    try:
+        yield
+    except (OptimizerOOMError, RankFailedError, SampleTooLargeError):
+        raise
+    except Exception as error:
+        end_on_error(error, where)
+
+
+def end_on_error(error: BaseException, where: str) -> NoReturn:
+    """An error that is not out-of-memory in the passes: log it and end the process with status 1.
+
+    Raised instead, it would take seconds to end a process holding a process group (measured in
+    ``benchmarks/fsdp_stop.py``), and whatever the loop runs on the way out could meet the other
+    ranks in the wrong collective. On the other ranks it is often the error of a collective that
+    lost its peer (gloo: "Connection closed by peer"): this ends them at once, even where a
+    SIGTERM handler would keep torchrun from doing so.
+    """
+    end_process(
+        f"{type(error).__name__} at {where} on rank {distributed.rank()}, under FSDP on "
+        f"{distributed.world_size()} processes, where no rank can recover in place: this process ends "
+        f"(status 1) rather than raise, so that no rank waits for it",
+        status=1,
+        error=error,
+    )

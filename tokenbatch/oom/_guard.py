@@ -37,7 +37,7 @@ from tokenbatch import _accelerate, _checks
 from tokenbatch import _distributed as distributed
 from tokenbatch._lr import BatchScaledLR, global_count, lr_options
 from tokenbatch.oom import _fsdp
-from tokenbatch.oom._errors import OOMEvent, free_memory
+from tokenbatch.oom._errors import OOMEvent, SampleTooLargeError, free_memory
 from tokenbatch.oom._eval import EvalGuard
 from tokenbatch.oom._grow import Grow, GrowEvent, Growth, as_grow
 from tokenbatch.oom._optimizer import guarded_step
@@ -438,6 +438,12 @@ class OOMFallback:
             RankFailedError: another rank's step raised an error that is not out-of-memory.
         """
         where = f"epoch {self.sampler.epoch}, step {max(self.steps_done - 1, 0)}"
+        if self._lockstep:  # a collective that lost its peer (a rank stopped for a restart) ends this one
+            with _fsdp.ends_on_error(where):
+                return self._step_optimizer(optimizer, where)
+        return self._step_optimizer(optimizer, where)
+
+    def _step_optimizer(self, optimizer: torch.optim.Optimizer, where: str) -> float:
         accumulating = not getattr(self.accelerator, "sync_gradients", True)
         if self._lr is None or accumulating:
             # Inside accelerator.accumulate() between the group's last batches, accelerate's prepared
@@ -607,7 +613,7 @@ class OOMFallback:
                         continue
                 outcome, error = passes.attempt_in_lockstep(work, loss_fn, passes=count, micro_tokens=micro)
                 if error is not None:
-                    raise error  # this process ends with it, and the other ranks' collectives with it
+                    _fsdp.end_on_error(error, f"epoch {self.sampler.epoch}, step {step}")
                 if outcome.status == "oom":
                     self._stop_for_restart(outcome, step=step, attempt=attempt)
                 break
@@ -622,22 +628,25 @@ class OOMFallback:
         the listeners (:func:`tokenbatch.probe.remember_budget`) write its budget where the
         restarted job reads it.
 
-        Raises:
-            SampleTooLargeError: one sample alone ran out of memory (a restart would too).
+        One sample alone out of memory, or the budget at ``min_tokens``, ends the process with
+        status 1 and the :class:`~tokenbatch.SampleTooLargeError` logged: a restart would fail again.
         """
         world, rank = distributed.world_size(), distributed.rank()
         outcomes = [Outcome()] * world
         outcomes[rank] = outcome
-        event = next_event(
-            outcomes,
-            epoch=self.sampler.epoch,
-            step=step,
-            mode=self.mode,
-            max_tokens=self.max_tokens,
-            factor=self.factor,
-            min_tokens=self.min_tokens,
-            attempt=attempt,
-        )
+        try:
+            event = next_event(
+                outcomes,
+                epoch=self.sampler.epoch,
+                step=step,
+                mode=self.mode,
+                max_tokens=self.max_tokens,
+                factor=self.factor,
+                min_tokens=self.min_tokens,
+                attempt=attempt,
+            )
+        except SampleTooLargeError as too_large:
+            _fsdp.end_on_error(too_large, f"epoch {self.sampler.epoch}, step {step}")
         self.events.append(event)
         # What the listeners read as max_tokens; no re-plan on a rank about to end (the restart re-plans).
         self._stopping = event.new_max_tokens
@@ -653,7 +662,7 @@ class OOMFallback:
             else "nothing records the lowered budget, so the restarted job will run out of memory here "
             "again: call tokenbatch.probe.remember_budget(fallback, key, cache) after loading the checkpoint"
         )
-        _fsdp.stop_for_restart(
+        _fsdp.end_process(
             f"{event}. Under FSDP on {world} processes the other ranks wait inside the model's collectives, "
             f"so no rank can recover in place: {recorded}; rank {rank} exits with status "
             f"{_fsdp.EXIT_CODE} so that torchrun --max-restarts starts every rank again, from the last "

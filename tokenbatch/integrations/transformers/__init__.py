@@ -158,7 +158,8 @@ class TokenBudgetMixin(_TrainerBase):
     over examples (or labelled tokens), and survive out-of-memory by splitting
     the batch (``eval_oom_events``; the training budget stays). Works with
     ``accelerate launch`` (DDP); not with DeepSpeed, FSDP or ``DataParallel``
-    unless ``oom_mode=None``.
+    unless ``oom_mode=None`` (under FSDP2, the accelerate loop of docs/restarts.md guards
+    the steps and restarts the job after out-of-memory).
 
     The out-of-memory options are :class:`~tokenbatch.OOMFallback`'s, with the
     same defaults, prefixed ``oom_`` (Trainer's own arguments share this namespace).
@@ -268,7 +269,7 @@ class TokenBudgetMixin(_TrainerBase):
         self._eval_steps: tuple[str, int] | None = None  # the last evaluation's prefix and batches
         self._lr_step = StepScaling(lr_scaling, lr_scaling_by, lr_reference, sampler=lambda: self._sampler)
         super().__init__(*args, **kwargs)
-        sharded = bool(self.is_deepspeed_enabled or self.is_fsdp_enabled)
+        sharded = "DeepSpeed" if self.is_deepspeed_enabled else "FSDP" if self.is_fsdp_enabled else None
         check_supported(self.args, self.oom_mode, sharded=sharded)
         self._lr_step.check(
             deepspeed=bool(self.is_deepspeed_enabled), stream=_is_iterable(self.train_dataset)
