@@ -120,6 +120,8 @@ def worker(out: str, arm: str, where: str, handler: str) -> None:
             fallback.step(optimizer)
         optimizer.zero_grad()
         (folder / f"step-{attempt}-{rank}").write_text(str(time.time()))
+        if not (folder / f"first-{attempt}-{rank}").exists():
+            (folder / f"first-{attempt}-{rank}").write_text(str(time.time()))
         if attempt == 0 and fallback.steps_done == STEP - 1:
             save_checkpoint(accelerator, folder / "checkpoints")
         if attempt > 0:
@@ -145,6 +147,7 @@ def run(arm: str, where: str, handler: bool, restarts: int) -> dict[str, float]:
         command += ["--nproc_per_node", "2", "-m", "benchmarks.fsdp_stop", "--worker", out, arm, where]
         command += ["1" if handler else "0"]
         log = open(folder / "torchrun.log", "w")  # noqa: SIM115 - a pipe could fill and stall torchrun
+        launched = time.time()
         child = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
         gone: dict[int, float] = {}
         pids: dict[int, int] = {}
@@ -168,6 +171,10 @@ def run(arm: str, where: str, handler: bool, restarts: int) -> dict[str, float]:
         result["every rank gone"] = max(gone.values()) - oom
         if restarts:
             result["training again"] = min(float((folder / f"step-1-{r}").read_text()) for r in (0, 1)) - oom
+            # For scale: the first start, from torchrun's launch to its first step trained.
+            result["first start"] = (
+                min(float((folder / f"first-0-{r}").read_text()) for r in (0, 1)) - launched
+            )
         else:
             result["torchrun exited"] = ended - oom
         return result
@@ -205,12 +212,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     stops = [r["every rank gone (s)"] for r in rows if r["on out of memory"].startswith("tokenbatch")]
     raised = [r["every rank gone (s)"] for r in rows if r["on out of memory"].startswith("raise")]
     again = [r["training again (s)"] for r in rows if "training again (s)" in r]
+    first = [r["first start (s)"] for r in rows if "first start (s)" in r]
     summary = (
         f"Out of memory on rank 1 of 2 under FSDP2 (gloo, CPU), medians of {repeats} run(s): every rank "
         f"gone {min(stops):.2f} to {max(stops):.2f} s after it with tokenbatch's stop (the failing rank "
         f"records the budget and exits 75), {min(raised):.2f} to {max(raised):.2f} s with the error raised "
         f"and left to propagate; under torchrun --max-restarts 1 the restarted job trained again "
-        f"{again[0]:.1f} s after the out-of-memory (start-up and checkpoint load included)."
+        f"{again[0]:.1f} s after the out-of-memory (start-up and checkpoint load included; the first start "
+        f"took {first[0]:.1f} s from launch to its first step)."
     )
     columns = list(dict.fromkeys(key for row in rows for key in row))
     common.write_results(
