@@ -142,6 +142,23 @@ def test_the_final_model_trained_every_sample_once_per_epoch(halve: dict[str, An
 
 
 @pytest.mark.slow
+def test_auto_takes_the_estimate_for_the_shard_group_on_every_rank(split: dict[str, Any]) -> None:
+    from transformers import LlamaConfig
+
+    from tokenbatch.probe import MemoryModel
+    from tokenbatch.probe._auto import budget_in_units
+
+    config = LlamaConfig(vocab_size=8000, hidden_size=64, intermediate_size=168, num_hidden_layers=2)
+    estimate = MemoryModel.from_config(config, device="cpu", task="sequence-classification", shards=2)
+    expected = budget_in_units(estimate, CostModel(), np.array(LENGTHS), 2**30, 0.1)
+    autos = [r for r in split["records"] if r["event"] == "auto"]
+    assert len(autos) == 2 and {r["source"] for r in autos} == {"estimate"}  # no probe on 2 processes
+    assert all(r["max_tokens"] == pytest.approx(expected) for r in autos)
+    assert all("[FSDP, 2 shards]" in r["chose"] for r in autos)  # the key names the sharding
+    assert "the probe cannot measure a model that FSDP shards over 2 processes" in split["stderr"]
+
+
+@pytest.mark.slow
 def test_split_mode_runs_as_many_passes_on_every_rank_and_trains_every_sample_once(
     split: dict[str, Any],
 ) -> None:

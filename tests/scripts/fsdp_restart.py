@@ -49,7 +49,7 @@ from torch.utils.data import DataLoader
 
 from tokenbatch import OOMFallback, TokenBudgetBatchSampler
 from tokenbatch.integrations.accelerate import finish, last_checkpoint, save_checkpoint
-from tokenbatch.probe import BudgetCache, BudgetKey, remember_budget
+from tokenbatch.probe import BudgetCache, BudgetKey, auto_budget, remember_budget
 from tokenbatch.testing import inject_oom
 
 ATTEMPT = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
@@ -164,6 +164,14 @@ def train(accelerator: Accelerator, out: Path, mode: str, log: Log) -> None:
     remember_budget(fallback, key, BudgetCache(checkpoints / "budget.json"))  # beside the checkpoints
     remember_budget(fallback, key)  # and in the budget cache ($TOKENBATCH_CACHE)
     fallback.add_listener(lambda f: log.write(event="budget", max_tokens=f.max_tokens))
+    if ATTEMPT == 0:  # max_tokens="auto" for the sharded model: the estimate for 2 shards, no probe
+        from transformers import LlamaConfig
+
+        config = LlamaConfig(vocab_size=8000, hidden_size=64, intermediate_size=168, num_hidden_layers=2)
+        auto = auto_budget(
+            model, TokenBudgetBatchSampler(LENGTHS, "auto"), config=config, memory_limit=2**30, remember=False
+        )
+        log.write(event="auto", chose=str(auto), source=auto.source, max_tokens=auto.max_tokens)
     log.write(
         event="start",
         resumed=None if resumed is None else resumed.name,
