@@ -20,8 +20,9 @@ from benchmarks import common
 from benchmarks.readings import READERS, headline
 
 # "auto", "lr_scaling" and "trainer_lr" are run on their own, not by ``python -m benchmarks``:
-# 15 minutes to over an hour each on CPU; "decoder_memory" too (3 minutes even with --quick), and
-# "lhotse_compare" (lhotse is an optional dependency).
+# 15 minutes to over an hour each on CPU; "decoder_memory" too (3 minutes even with --quick),
+# "fsdp_memory" and "fsdp_stop" (torchrun jobs, minutes each), and "lhotse_compare" (lhotse is an
+# optional dependency).
 MODULES = (
     "padding",
     "planning",
@@ -38,6 +39,8 @@ MODULES = (
     "gpu",
     "ddp_overlap",
     "decoder_memory",
+    "fsdp_memory",
+    "fsdp_stop",
 )
 # What a person wrote about a benchmark's figures (benchmarks/notes/<name>.md): kept apart from
 # the generated results/<name>.md, so that rerunning a benchmark does not erase the reading.
@@ -58,6 +61,8 @@ TITLES = {
     "gpu": "GPU",
     "ddp_overlap": "DDP step time under the guard (overlapped all-reduce)",
     "decoder_memory": "Decoder memory estimate",
+    "fsdp_memory": "Memory estimate under FSDP2 (2 CPU processes)",
+    "fsdp_stop": "Out of memory under FSDP2: every rank stopped, and the restart",
 }
 METHOD_STYLE = {
     "tokenbatch": ("tab:blue", "o"),

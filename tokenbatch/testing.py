@@ -43,6 +43,25 @@ def _batch_shape(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[int, in
     return None
 
 
+def _sharded(param: torch.Tensor) -> bool:
+    """True for a parameter FSDP2 shards (a ``DTensor``)."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch < 2.5 has no public DTensor
+        return False
+    return isinstance(param, DTensor)
+
+
+def _first_grad_tensor(output: Any) -> torch.Tensor | None:
+    """The first tensor that requires grad in a module's output (a tensor, or a container of them)."""
+    if isinstance(output, torch.Tensor):
+        return output if output.requires_grad else None
+    values: Any = output.values() if isinstance(output, dict) else ()
+    if isinstance(output, tuple | list):
+        values = output
+    return next((t for t in map(_first_grad_tensor, values) if t is not None), None)
+
+
 class _Costed(Protocol):
     """What carries a budget's cost: a TokenBudgetBatchSampler or TokenBudgetStream (a layer above)."""
 
@@ -122,7 +141,13 @@ class OOMInjector:
             first = next((p for p in self.module.parameters() if p.requires_grad), None)
             if first is None:
                 raise ValueError("where='backward' needs a model with a parameter that requires grad")
-            self._handles.append(first.register_hook(self._on_gradient))
+            if _sharded(first):
+                # FSDP2: the graph holds the unsharded copy, and hooks on the sharded parameter never
+                # run. The gradient of the output of the module that owns it comes just before its own.
+                owner = next(m for m in self.module.modules() if any(p is first for p in m.parameters(False)))
+                self._handles.append(owner.register_forward_hook(self._on_output))
+            else:
+                self._handles.append(first.register_hook(self._on_gradient))
 
     def _due(self, batch_cost: float) -> bool:
         if batch_cost <= self.max_tokens or self.calls <= self.after:
@@ -165,6 +190,11 @@ class OOMInjector:
             if torch.is_grad_enabled():
                 self._armed = (rows, length, batch_cost)
         return None
+
+    def _on_output(self, module: nn.Module, args: Any, output: Any) -> None:
+        tensor = _first_grad_tensor(output)
+        if self._armed is not None and tensor is not None:
+            tensor.register_hook(self._on_gradient)  # type: ignore[no-untyped-call]
 
     def _on_gradient(self, grad: torch.Tensor) -> None:
         armed, self._armed = self._armed, None
@@ -216,7 +246,9 @@ def inject_oom(
             collates it) costs ``cost.batch_cost`` of its examples' lengths.
         where: ``"forward"`` raises before the model runs; ``"backward"``
             raises from autograd when the first parameter's gradient is
-            computed, near the end of the backward pass.
+            computed, near the end of the backward pass (under FSDP2, whose
+            sharded parameters are not in the graph, the gradient of the output
+            of the module that holds it, just before).
         ranks: raise only on these ranks (default: all).
         times: raise at most this many times (default: every time).
         after: let the first ``after`` model calls through whatever their

@@ -243,7 +243,8 @@ def oom_fallback(module: pl.LightningModule, sampler: TokenBudgetBatchSampler, *
 
     Raises:
         ValueError: automatic optimisation, halve mode, or a strategy other than
-            DDP on several processes (FSDP and DeepSpeed shard gradients themselves).
+            DDP on several processes (under FSDP and DeepSpeed out of memory in the passes leaves the
+            other ranks inside the strategy's collectives; docs/restarts.md has an FSDP2 loop).
     """
     if module.automatic_optimization:
         raise ValueError(
@@ -261,8 +262,11 @@ def oom_fallback(module: pl.LightningModule, sampler: TokenBudgetBatchSampler, *
     if trainer.world_size > 1 and not isinstance(model, DistributedDataParallel):
         raise ValueError(
             f"strategy should be DDP (strategy='ddp' or 'ddp_spawn') for OOMFallback on "
-            f"{trainer.world_size} processes, but got strategy={type(trainer.strategy).__name__}; FSDP "
-            f"and DeepSpeed shard gradients themselves"
+            f"{trainer.world_size} processes, but got strategy={type(trainer.strategy).__name__}: under "
+            f"FSDP and DeepSpeed the model's passes hold the strategy's collectives, so out of memory on one "
+            f"rank cannot be recovered from in place, and Lightning's callback does not restart the job "
+            f"from a checkpoint with a lowered budget (the accelerate loop of docs/restarts.md does, under "
+            f"FSDP2)"
         )
     if options.get("mode", "split") != "split":
         raise ValueError(

@@ -15,6 +15,7 @@ Inside the package, one topic per module:
 - ``_guard``: :class:`OOMFallback`, the budgets, the step protocol and the loop's place in the epoch;
 - ``_step``: one attempt of a step on this rank, the gradients kept through it, the ranks' outcomes;
 - ``_ddp``: the stand-in for DDP's reducer (``no_sync``, buffers, gradient all-reduces);
+- ``_fsdp``: under FSDP2, what is recovered in place and how a rank stops the job for a restart;
 - ``_grow``: climbing back after an OOM;
 - ``_split``: reading a collated batch and cutting it into micro-batches;
 - ``_eval``: :class:`EvalGuard`, guarded evaluation;

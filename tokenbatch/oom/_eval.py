@@ -37,6 +37,7 @@ from tokenbatch import _checks
 from tokenbatch import _distributed as distributed
 from tokenbatch._packs import PackedExamples
 from tokenbatch.cost import CostModel
+from tokenbatch.oom import _fsdp
 from tokenbatch.oom._ddp import DDPSync
 from tokenbatch.oom._errors import OOMEvent, SampleTooLargeError, free_memory, is_oom
 from tokenbatch.oom._split import (
@@ -61,7 +62,10 @@ class EvalGuard:
     """Runs ``fn(batch)`` under ``torch.no_grad()``; on out-of-memory on any rank, in micro-batches.
 
     Call :meth:`evaluate` on every rank for every evaluation batch (ranks in
-    step, as a prepared DataLoader keeps them). ``fn`` must not communicate
+    step, as a prepared DataLoader keeps them). Under FSDP on several processes
+    the forward pass holds collectives: out of memory (or another error) there
+    ends the process of the rank it happened on, with status 1 and the error
+    logged (see :mod:`tokenbatch.oom._fsdp`). ``fn`` must not communicate
     with other ranks: gather its results after :meth:`evaluate` returns
     (micro-batches make the number of ``fn`` calls differ between ranks).
 
@@ -120,6 +124,7 @@ class EvalGuard:
         self.min_tokens = None if min_tokens is None else _checks.positive_number("min_tokens", min_tokens)
         self.weight, self.pad_token_id = check_weight(weight), pad_token_id
         self._ddp = None if model is None else DDPSync(model)
+        self._lockstep = model is not None and _fsdp.in_lockstep(model)
         self.max_tokens: float | None = None
         self.events: list[OOMEvent] = []
         self.batches = 0
@@ -145,6 +150,17 @@ class EvalGuard:
                     outcome, error, result, shape = self._attempt(batch, fn, shape)
                     if outcome.status == "oom":
                         free_memory()
+                    if self._lockstep and outcome.status != "ok":
+                        # The other ranks wait inside FSDP's all-gathers: sharing the outcome would meet
+                        # them in the wrong collective. This process ends, and their collectives with it.
+                        _fsdp.end_on_error(
+                            error
+                            or RuntimeError(
+                                "evaluation ran out of memory under FSDP on several processes: evaluate on "
+                                "smaller batches (a smaller max_tokens for the evaluation sampler)"
+                            ),
+                            f"evaluation batch {step}",
+                        )
                 outcomes, _ = share(outcome)
                 if any(o.status == "error" for o in outcomes):
                     raise_on_every_rank(outcomes, error, f"evaluation batch {step}")

@@ -36,7 +36,8 @@ from torch import nn
 from tokenbatch import _accelerate, _checks
 from tokenbatch import _distributed as distributed
 from tokenbatch._lr import BatchScaledLR, global_count, lr_options
-from tokenbatch.oom._errors import OOMEvent, free_memory
+from tokenbatch.oom import _fsdp
+from tokenbatch.oom._errors import OOMEvent, SampleTooLargeError, free_memory
 from tokenbatch.oom._eval import EvalGuard
 from tokenbatch.oom._grow import Grow, GrowEvent, Growth, as_grow
 from tokenbatch.oom._optimizer import guarded_step
@@ -49,6 +50,7 @@ from tokenbatch.oom._step import (
     next_event,
     raise_on_every_rank,
     share,
+    share_count,
 )
 from tokenbatch.sampler import TokenBudgetBatchSampler
 from tokenbatch.stream import TokenBudgetStream
@@ -101,11 +103,15 @@ class OOMFallback:
         lr_reference: the step size the learning rate was tuned for, over all ranks (a fixed batch
             of 32 texts on 2 processes is 64 samples, or 64 times the mean length in tokens).
 
-    Works with a plain module and with DDP (as ``accelerator.prepare`` wraps
-    it); not with FSDP or DeepSpeed, which shard gradients themselves. The
-    guard owns gradient synchronisation: it runs DDP under ``no_sync()``,
-    all-reduces gradients itself (``overlap``) and keeps them once every rank
-    has said its step succeeded, so no ``find_unused_parameters`` is needed.
+    Works with a plain module, with DDP (as ``accelerator.prepare`` wraps
+    it) and with FSDP2 (``fully_shard``); not with FSDP1 or DeepSpeed. Under
+    DDP the guard owns gradient synchronisation: it runs DDP under
+    ``no_sync()``, all-reduces gradients itself (``overlap``) and keeps them
+    once every rank has said its step succeeded, so no ``find_unused_parameters``
+    is needed. Under FSDP2 on several processes the model's passes hold
+    collectives, so out of memory in them stops the job for a restart from
+    the last checkpoint, with the lowered budget recorded by the listeners
+    (:mod:`tokenbatch.oom._fsdp`, docs/restarts.md); growth is off there.
     Gradient accumulation (``accelerator.accumulate``, or several ``backward``
     calls per optimizer step) works in both modes: a failed or dropped step
     loses only its own gradients. Split mode matches an unsplit run up to
@@ -173,6 +179,7 @@ class OOMFallback:
         _accelerate.check_processes(getattr(accelerator, "num_processes", None))
         self.mode = _checks.one_of("mode", mode, MODES)
         check_weight(weight)
+        _fsdp.check_sharding(model, accelerator)
         if getattr(accelerator, "split_batches", False) is True:
             raise ValueError(
                 "split_batches should be False for TokenBudgetBatchSampler, but got split_batches=True: "
@@ -194,6 +201,17 @@ class OOMFallback:
             model, accelerator, cost=sampler.cost, weight=weight, pad_token_id=pad_token_id, overlap=overlap
         )
         settings = as_grow(grow)  # checked on a stream too
+        # FSDP on several processes: the passes hold collectives, and out of memory there stops the job.
+        self._lockstep = _fsdp.in_lockstep(model)
+        # The budget the listeners record on this rank before it stops for a restart (None: running).
+        self._stopping: float | None = None
+        if self._lockstep and settings is not None:
+            logger.info(
+                "OOMFallback: growth is off under FSDP on %d processes, where a larger budget that runs "
+                "out of memory costs a restart of the job",
+                distributed.world_size(),
+            )
+            settings = None
         self.grow = settings if isinstance(sampler, TokenBudgetBatchSampler) else None
         """The growth settings in force (None: shrink only; always for a stream, which has no plan)."""
         self._growth: Growth | None = None
@@ -229,6 +247,8 @@ class OOMFallback:
     @property
     def max_tokens(self) -> float:
         """The budget in force: the sampler's in halve mode, the micro-batch budget in split mode."""
+        if self._stopping is not None:
+            return self._stopping
         return self.sampler.max_tokens if self._drops_step else self._micro_tokens
 
     @property
@@ -431,6 +451,12 @@ class OOMFallback:
             RankFailedError: another rank's step raised an error that is not out-of-memory.
         """
         where = f"epoch {self.sampler.epoch}, step {max(self.steps_done - 1, 0)}"
+        if self._lockstep:  # a collective that lost its peer (a rank stopped for a restart) ends this one
+            with _fsdp.ends_on_error(where):
+                return self._step_optimizer(optimizer, where)
+        return self._step_optimizer(optimizer, where)
+
+    def _step_optimizer(self, optimizer: torch.optim.Optimizer, where: str) -> float:
         accumulating = not getattr(self.accelerator, "sync_gradients", True)
         if self._lr is None or accumulating:
             # Inside accelerator.accumulate() between the group's last batches, accelerate's prepared
@@ -490,6 +516,8 @@ class OOMFallback:
                 "which keeps every planned batch"
             )
         step = self._step if self._step is not None else self.steps_done
+        if self._lockstep:
+            return self._after_step(step, batch, self._lockstep_step(batch, loss_fn, step))
         passes = self._passes
         params = passes.params()
         # Accumulation: the step runs into fresh gradients; the group's earlier ones survive a failure.
@@ -537,6 +565,10 @@ class OOMFallback:
             if work.average is not None:
                 work.average.average_into_grads(any_grad)
             kept.release()
+        return self._after_step(step, batch, work.loss)
+
+    def _after_step(self, step: int, batch: Any, loss: torch.Tensor | None) -> torch.Tensor | None:
+        """Every rank's step trained: count it, grow, tell the listeners of new events."""
         self._trained(step)
         if self._lr is not None:  # this step's size, once, however many micro-batches it ran as
             shape = self._passes.read(batch)
@@ -551,7 +583,106 @@ class OOMFallback:
             self._unreported = False
             for listener in self._listeners:
                 listener(self)
+        return loss
+
+    def _lockstep_step(
+        self, batch: Any, loss_fn: Callable[[Any], torch.Tensor], step: int
+    ) -> torch.Tensor | None:
+        """One step under FSDP on several processes (:mod:`tokenbatch.oom._fsdp`): its detached loss.
+
+        After a lowered budget (split mode) each rank cuts its batch first, and one all-reduce
+        shares how that went and how many passes every rank runs: out of memory there is
+        recovered from in place, as no collective of the step has begun. Out of memory in the
+        passes stops the job for a restart (:meth:`_stop_for_restart`). Nothing is shared after
+        the passes: had a rank failed in them, the others could not have finished theirs.
+        """
+        passes = self._passes
+        with KeptGradients(passes.params()) as kept:
+            work = StepWork(batch)
+            attempt = 0
+            while True:
+                micro = self._micro_budget()
+                count = 1
+                if micro is not None:  # the ranks may cut their batches into different numbers of passes
+                    outcome, error = passes.prepare(work, micro_tokens=micro)
+                    if outcome.status == "oom":
+                        free_memory()
+                    count = 1 if work.pieces is None else len(work.pieces)
+                    outcomes, count = share_count(outcome, count)
+                    if any(o.status == "error" for o in outcomes):
+                        raise_on_every_rank(outcomes, error, f"epoch {self.sampler.epoch}, step {step}")
+                    if any(o.status == "oom" for o in outcomes):
+                        event = next_event(
+                            outcomes,
+                            epoch=self.sampler.epoch,
+                            step=step,
+                            mode=self.mode,
+                            max_tokens=self.max_tokens,
+                            factor=self.factor,
+                            min_tokens=self.min_tokens,
+                            attempt=attempt,
+                        )
+                        self._record(event)
+                        self._lower(event.new_max_tokens, steps_done=step)
+                        attempt += 1
+                        continue
+                outcome, error = passes.attempt_in_lockstep(work, loss_fn, passes=count, micro_tokens=micro)
+                if error is not None:
+                    _fsdp.end_on_error(error, f"epoch {self.sampler.epoch}, step {step}")
+                if outcome.status == "oom":
+                    self._stop_for_restart(outcome, step=step, attempt=attempt)
+                break
+            kept.add_into_grads()
+            kept.release()
         return work.loss
+
+    def _stop_for_restart(self, outcome: Outcome, *, step: int, attempt: int) -> None:
+        """Out of memory in FSDP's passes on this rank: record the lowered budget, then end the process.
+
+        The event is this rank's alone (the others are inside a collective and cannot be asked);
+        the listeners (:func:`tokenbatch.probe.remember_budget`) write its budget where the
+        restarted job reads it.
+
+        One sample alone out of memory, or the budget at ``min_tokens``, ends the process with
+        status 1 and the :class:`~tokenbatch.SampleTooLargeError` logged: a restart would fail again.
+        """
+        world, rank = distributed.world_size(), distributed.rank()
+        outcomes = [Outcome()] * world
+        outcomes[rank] = outcome
+        try:
+            event = next_event(
+                outcomes,
+                epoch=self.sampler.epoch,
+                step=step,
+                mode=self.mode,
+                max_tokens=self.max_tokens,
+                factor=self.factor,
+                min_tokens=self.min_tokens,
+                attempt=attempt,
+            )
+        except SampleTooLargeError as too_large:
+            _fsdp.end_on_error(too_large, f"epoch {self.sampler.epoch}, step {step}")
+        self.events.append(event)
+        # What the listeners read as max_tokens; no re-plan on a rank about to end (the restart re-plans).
+        self._stopping = event.new_max_tokens
+        for listener in self._listeners:
+            try:
+                listener(self)
+            except Exception:  # a listener must not keep this rank alive: the others wait for it
+                logger.exception("OOMFallback: a listener failed before the stop for a restart")
+        recorded = (
+            f"the listeners ({len(self._listeners)}, e.g. tokenbatch.probe.remember_budget) have recorded "
+            f"max_tokens={event.new_max_tokens:g} for the restarted job"
+            if self._listeners
+            else "nothing records the lowered budget, so the restarted job will run out of memory here "
+            "again: call tokenbatch.probe.remember_budget(fallback, key, cache) after loading the checkpoint"
+        )
+        _fsdp.end_process(
+            f"{event}. Under FSDP on {world} processes the other ranks wait inside the model's collectives, "
+            f"so no rank can recover in place: {recorded}; rank {rank} exits with status "
+            f"{_fsdp.EXIT_CODE} so that torchrun --max-restarts starts every rank again, from the last "
+            f"complete checkpoint"
+        )
 
     # -- inside --------------------------------------------------------------------------
 

@@ -132,7 +132,7 @@ def inspect_batch(batch: Any, pad_token_id: int | None = None) -> BatchShape:
 
 
 def plan_micro_batches(
-    shape: BatchShape, cost: CostModel, budget: float, *, fill: bool = False
+    shape: BatchShape, cost: CostModel, budget: float, *, fill: bool = False, at_least: int = 1
 ) -> list[np.ndarray]:
     """Rows of each micro-batch, longest first, each within ``budget`` (a row alone may exceed it).
 
@@ -142,6 +142,9 @@ def plan_micro_batches(
     ``fill``: keep the greedy cut, whose first micro-batch fills ``budget`` as far
     as the rows allow (growth's try of a larger budget is proven by a piece that large).
     With ``cost.packing`` the micro-batches are packs: see :func:`plan_packs`.
+    ``at_least``: halve the micro-batch with the most rows (a pack's: examples) until there are that
+    many, or every micro-batch is one row (ranks under FSDP run as many passes as the rank that needs
+    the most); part of a micro-batch that fits fits too.
 
     Example:
         >>> shape = BatchShape(4, 4, np.array([4, 4, 4, 4]), right_padded=True)
@@ -151,7 +154,7 @@ def plan_micro_batches(
         [3, 1]
     """
     if cost.packing is not None:
-        return plan_packs(shape.lengths, cost, budget, fill=fill)
+        return _at_least(plan_packs(shape.lengths, cost, budget, fill=fill), at_least)
     order = np.argsort(-shape.lengths, kind="stable")
     units = cost.sample_cost(shape.lengths[order])  # each row's cost padded to itself, longest first
 
@@ -170,7 +173,16 @@ def plan_micro_batches(
     even = [len(order) // parts + (1 if i < len(order) % parts else 0) for i in range(parts)]
     sizes = even if not fill and fits(even) else greedy
     bounds = np.cumsum([0, *sizes])
-    return [np.sort(order[a:b]) for a, b in itertools.pairwise(bounds)]
+    return _at_least([np.sort(order[a:b]) for a, b in itertools.pairwise(bounds)], at_least)
+
+
+def _at_least(groups: list[np.ndarray], at_least: int) -> list[np.ndarray]:
+    """``groups`` with the largest halved until there are ``at_least``, or each holds one."""
+    while len(groups) < at_least and max(len(g) for g in groups) > 1:
+        widest = max(range(len(groups)), key=lambda i: len(groups[i]))
+        rows = groups[widest]
+        groups[widest : widest + 1] = [rows[: (len(rows) + 1) // 2], rows[(len(rows) + 1) // 2 :]]
+    return groups
 
 
 class _Packs:
@@ -296,6 +308,7 @@ def split_batch(
     weight: Weight = None,
     trim: bool = True,
     fill: bool = False,
+    at_least: int = 1,
 ) -> list[Piece]:
     """``(micro_batch, loss_weight, rows)`` for each micro-batch; the weights sum to 1.
 
@@ -310,8 +323,9 @@ def split_batch(
             padded on the right.
         fill: cut greedily, the first micro-batch as large as ``budget`` allows
             (see :func:`plan_micro_batches`); the weights still add up to the whole batch's.
+        at_least: cut into at least this many micro-batches where the rows allow.
     """
-    groups = plan_micro_batches(shape, cost, budget, fill=fill)
+    groups = plan_micro_batches(shape, cost, budget, fill=fill, at_least=at_least)
     pieces = []
     for rows in groups:
         width = None

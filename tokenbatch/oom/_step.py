@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
@@ -222,6 +223,26 @@ def share(outcome: Outcome, flags: Sequence[bool] = ()) -> tuple[list[Outcome], 
     world = distributed.world_size()
     summed = distributed.all_reduce_sum(pack(outcome, flags, rank=distributed.rank(), world=world))
     return unpack(summed, world)
+
+
+def share_count(outcome: Outcome, count: int) -> tuple[list[Outcome], int]:
+    """Every rank's outcome and the largest ``count`` of any rank: one all-reduce.
+
+    The pre-step agreement of a guard under FSDP: how each rank's split went, and how many
+    forward and backward passes every rank then runs (the most any rank needs).
+
+    Example:
+        >>> share_count(Outcome(), 3)  # one process: its own
+        ([Outcome(status='ok', phase='', cost=0.0, longest=0, rows=0)], 3)
+    """
+    if not distributed.is_initialized() or distributed.world_size() == 1:
+        return [outcome], count
+    world, rank, width = distributed.world_size(), distributed.rank(), WIDTH + 1
+    tensor = torch.zeros(world * width, dtype=torch.float64)
+    tensor[rank * width : (rank + 1) * width] = torch.tensor([*outcome.floats(), float(count)])
+    values = distributed.all_reduce_sum(tensor).tolist()
+    slots = [values[r * width : (r + 1) * width] for r in range(world)]
+    return [Outcome.from_floats(slot[:WIDTH]) for slot in slots], int(max(slot[WIDTH] for slot in slots))
 
 
 def next_event(
@@ -419,6 +440,61 @@ class ForwardBackward:
             work.shape = work.shape or self.read(work.batch)
             return self.out_of_memory(work.shape), None
         except Exception as unreadable:  # a batch we cannot read: report it rather than guess
+            return Outcome("error", self.phase), unreadable
+
+    def prepare(self, work: StepWork, *, micro_tokens: float) -> tuple[Outcome, Exception | None]:
+        """Cut the batch into micro-batches that fit ``micro_tokens``, on this rank alone; never raises.
+
+        Under FSDP this runs before the step's agreement (:func:`share_count`), where an
+        out-of-memory error is recovered from in place: no collective of the step has begun.
+        """
+        self.phase, self.rows = "forward", None
+        try:
+            work.shape = work.shape or self.read(work.batch)
+            work.pieces = None
+            if work.shape.cost(self.cost) > micro_tokens:
+                work.pieces = split_batch(work.batch, work.shape, self.cost, micro_tokens, weight=self.weight)
+            return Outcome(), None
+        except Exception as exc:
+            work.pieces = None
+            if not is_oom(exc):
+                return Outcome("error", self.phase), exc
+        try:
+            work.shape = work.shape or self.read(work.batch)
+            return self.out_of_memory(work.shape), None
+        except Exception as unreadable:
+            return Outcome("error", self.phase), unreadable
+
+    def attempt_in_lockstep(
+        self, work: StepWork, loss_fn: Callable[[Any], Any], *, passes: int, micro_tokens: float | None
+    ) -> tuple[Outcome, Exception | None]:
+        """The batch in ``passes`` forward and backward passes, as many as on every other rank; never raises.
+
+        Under FSDP the passes hold the model's collectives, so every rank runs the same number:
+        its micro-batches (:meth:`prepare`), cut further where it has fewer, and where it has
+        fewer rows than ``passes``, passes of its last micro-batch whose loss counts for nothing.
+        """
+        self.phase, self.rows = "forward", None
+        try:
+            pieces: list[Piece] | None = work.pieces
+            if passes > (1 if pieces is None else len(pieces)):
+                work.shape = work.shape or self.read(work.batch)
+                budget = math.inf if micro_tokens is None else micro_tokens
+                pieces = split_batch(
+                    work.batch, work.shape, self.cost, budget, weight=self.weight, at_least=passes
+                )
+                pieces += [(pieces[-1][0], 0.0, pieces[-1][2])] * (passes - len(pieces))
+            work.loss = self.run(work.batch, pieces, loss_fn)
+            return Outcome(), None
+        except Exception as exc:
+            work.loss = None
+            if not is_oom(exc):
+                return Outcome("error", self.phase), exc
+            logger.debug("rank %d: %s", distributed.rank(), str(exc).splitlines()[0])
+        try:
+            work.shape = work.shape or self.read(work.batch)
+            return self.out_of_memory(work.shape), None
+        except Exception as unreadable:
             return Outcome("error", self.phase), unreadable
 
     def begin_round(self, params: list[nn.Parameter], kept: KeptGradients | None) -> Round | None:

@@ -24,6 +24,7 @@ import torch
 from tokenbatch import _checks
 from tokenbatch import _distributed as distributed
 from tokenbatch.cost import CostModel
+from tokenbatch.oom import _fsdp
 from tokenbatch.plan import OversizeSampleError
 from tokenbatch.probe._cache import BudgetCache, BudgetKey
 from tokenbatch.probe._measure import LossFn, MakeBatch, batch_maker, held_bytes, model_device
@@ -212,8 +213,14 @@ def auto_budget(
     A rank that fails stops every rank: the others raise a ``RuntimeError``
     that names it and its error.
 
+    Under FSDP2 the model's parameters, gradients and optimizer state are cut into its shard
+    group's size (read from its ``DTensor`` parameters), and so is the estimate's share of them
+    (:meth:`MemoryModel.from_config`'s ``shards``); the key names the sharding. On several
+    processes the probe cannot run on a sharded model: the estimate is taken instead (a warning
+    says so).
+
     Args:
-        model: the bare model (not DDP-wrapped), on its training device.
+        model: the bare model (not DDP-wrapped; under FSDP2, the sharded one), on its training device.
         sampler: a :class:`~tokenbatch.TokenBudgetBatchSampler` made with ``max_tokens="auto"``.
         memory_limit: bytes; on CPU required unless ``$TOKENBATCH_MEMORY_LIMIT``
             or ``RLIMIT_AS`` sets one (see :func:`memory_limits`).
@@ -253,11 +260,22 @@ def auto_budget(
     margin = check_margin(margin)
     make_batch = batch_maker(batch, make_batch)  # a bad batch is named now, not after the cache lookup
     config = getattr(model, "config", None) if config is None else config
+    shards = _fsdp.shard_count(model)
+    if measure and _fsdp.in_lockstep(model):
+        logger.warning(
+            "max_tokens='auto': the probe cannot measure a model that FSDP shards over %d processes (its "
+            "trial steps would run FSDP's collectives on shapes each rank chooses alone, and out of memory "
+            "on one rank would leave the others waiting): taking the config's estimate for %d shards",
+            distributed.world_size(),
+            shards,
+        )
+        measure = False
     limit, memory_bytes = memory_limits(model, memory_limit, optimizer)
     device = model_device(model)
     dtype = next((p.dtype for p in model.parameters()), torch.float32)
     if key is None:
-        name = model_name(model, config)
+        # A sharded model has room for larger batches than the same model replicated on as many ranks.
+        name = model_name(model, config) + (f" [FSDP, {shards} shards]" if shards > 1 else "")
         key = BudgetKey.for_device(name, device=device, dtype=dtype)
         key = BudgetKey(key.model, key.device, memory_bytes, key.dtype, key.world_size)
     store = cache if cache is not None else BudgetCache()
@@ -272,7 +290,7 @@ def auto_budget(
         if math.isfinite(mine):
             if config is not None:
                 with contextlib.suppress(AttributeError, TypeError, ValueError):  # a check, not a need
-                    estimate = _estimate(model, config, dtype, device, cost, lengths, limit, margin)
+                    estimate = _estimate(model, config, dtype, device, cost, lengths, limit, margin, shards)
             doubt = _suspect(mine, estimate, sampler)
             if doubt is not None:
                 logger.warning(
@@ -289,7 +307,7 @@ def auto_budget(
             source, own_entry = "cache", True
         else:
             if config is not None and estimate is None:
-                estimate = _estimate(model, config, dtype, device, cost, lengths, limit, margin)
+                estimate = _estimate(model, config, dtype, device, cost, lengths, limit, margin, shards)
             if estimate is not None:
                 logger.info(
                     "max_tokens='auto': the config's estimate is %s for %s", _checks.budget(estimate), key
@@ -348,15 +366,18 @@ def _estimate(
     lengths: np.ndarray,
     limit: float,
     margin: float,
+    shards: int = 1,
 ) -> float:
     """The config's analytic budget in ``cost`` units for this memory (the head named by the
-    model's class: a model built from a config in code has no ``config.architectures``)."""
+    model's class: a model built from a config in code has no ``config.architectures``), for a
+    model whose parameters are cut into ``shards`` (FSDP2)."""
     analytic = MemoryModel.from_config(
         config,
         dtype=dtype,
         device=device.type,
         task=resolve_task(config, model=model),
         pad_to_multiple_of=cost.pad_to_multiple_of,
+        shards=shards,
     )
     return budget_in_units(analytic, cost, lengths, limit, margin)
 

@@ -205,7 +205,11 @@ def remember_budget(fallback: OOMFallback, key: BudgetKey, cache: BudgetCache | 
     files) in one all-reduce, and the fallback starts from it if it is
     smaller than the budget in force. After each step that trained under a
     new budget, the main process writes it to ``cache``; a cache that cannot
-    be written is a warning, never a stop.
+    be written is a warning, never a stop. Under FSDP on several processes,
+    where out of memory in the passes stops the job for a restart, the rank
+    that ran out of memory writes the lowered budget before it stops: call this
+    after loading the checkpoint, and the restarted job starts from it (with a
+    cache beside the checkpoints, every rank of the restart reads it).
 
     Args:
         fallback: the :class:`~tokenbatch.OOMFallback` guarding training.
@@ -238,7 +242,9 @@ def remember_budget(fallback: OOMFallback, key: BudgetKey, cache: BudgetCache | 
             logger.info("starting from max_tokens=%s remembered for %s", _checks.budget(cached), key)
 
     def save(fallback: OOMFallback) -> None:
-        if distributed.rank() != 0:
+        # The main process writes; under FSDP, where the guard stops the job for a restart (it has
+        # then not yet been shown to fit), so does the rank that ran out of memory, before it stops.
+        if distributed.rank() != 0 and fallback._stopping is None:
             return
         try:
             store.put(key, fallback.max_tokens, source="oom", mode=fallback.mode)

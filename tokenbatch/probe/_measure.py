@@ -267,12 +267,13 @@ def model_device(model: torch.nn.Module) -> torch.device:
 
 
 def held_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> int:
-    """Bytes of the distinct storages behind weights, buffers, gradients and optimizer state."""
+    """Bytes of the distinct storages behind weights, buffers, gradients and optimizer state (this rank's)."""
     seen: dict[tuple[str, int], int] = {}
 
     def add(t: Any) -> None:
         if isinstance(t, torch.Tensor) and t.device.type != "meta":
-            storage = t.untyped_storage()
+            local = getattr(t, "to_local", None)  # a DTensor (FSDP2): this rank's shard holds the bytes
+            storage = (local() if callable(local) else t).untyped_storage()
             seen[(str(t.device), storage.data_ptr())] = storage.nbytes()
 
     for t in list(model.parameters()) + list(model.buffers()):

@@ -209,6 +209,7 @@ class MemoryModel:
         task: str = "auto",
         optimizer: str = "adamw",
         pad_to_multiple_of: int = 1,
+        shards: int = 1,
     ) -> MemoryModel:
         """Estimate the training (or inference) memory of a transformers model from its config.
 
@@ -236,6 +237,14 @@ class MemoryModel:
             optimizer: ``"adamw"`` (two states per parameter, 8 bytes in fp32), ``"sgd-momentum"``
                 (one) or ``"sgd"`` (none); only affects ``constant`` and ``step_peak``.
             pad_to_multiple_of: the collator's padding multiple.
+            shards: how many ranks share each parameter: FSDP2's shard group (1: not sharded).
+                Weights, gradients, optimizer state and the step's temporaries are divided among
+                them; activations are each rank's own and are not. FSDP all-gathers a unit's
+                parameters while it runs: the constant gains one full copy of the largest
+                parameter (the LM head, which the root unit keeps gathered through the step), and
+                the step's peak the end of backward, where that parameter's unit holds its full
+                copy, its full gradient and the gradient's reduce-scatter buffers besides
+                (``benchmarks/fsdp_memory.py``: Llama on 2 CPU processes, within 7%).
 
         Raises:
             ValueError: an encoder-decoder config, or an unknown option.
@@ -328,12 +337,22 @@ class MemoryModel:
         # two of its largest parameter at a time, foreach AdamW (CUDA's default) one per parameter.
         elements = params if device == "cuda" else 2 * largest
         temporaries = _STEP_TEMPORARY_BYTES[optimizer] * e // 4 * elements
+        # Sharded (FSDP2): each rank holds 1/shards of every parameter, gradient and state, plus what
+        # FSDP all-gathers (see `shards` above).
+        shards = _checks.positive_int("shards", shards)
+        constant = float(params * (e + state)) / shards
+        step_peak = float(params * (2 * e + state) + temporaries) / shards if training else 0.0
+        if shards > 1:
+            gathered = float(e * largest)
+            end_of_backward = float(params * (2 * e + state)) / shards + (4 + 1 / shards) * gathered
+            constant += gathered
+            step_peak = max(step_peak, end_of_backward) if training else 0.0
         return cls(
-            constant=float(params * (e + state)),
+            constant=constant,
             linear=float(linear),
             quadratic=quadratic,
             per_sample=per_sample,
-            step_peak=float(params * (2 * e + state) + temporaries) if training else 0.0,
+            step_peak=step_peak,
             pad_to_multiple_of=_checks.positive_int("pad_to_multiple_of", pad_to_multiple_of),
             stores_scores=scores,
         )

@@ -164,7 +164,8 @@ class TokenBudgetMixin(_TrainerBase):
     over examples (or labelled tokens), and survive out-of-memory by splitting
     the batch (``eval_oom_events``; the training budget stays). Works with
     ``accelerate launch`` (DDP); not with DeepSpeed, FSDP or ``DataParallel``
-    unless ``oom_mode=None``.
+    unless ``oom_mode=None`` (under FSDP2, the accelerate loop of docs/restarts.md guards
+    the steps and restarts the job after out-of-memory).
 
     The out-of-memory options are :class:`~tokenbatch.OOMFallback`'s, with the
     same defaults, prefixed ``oom_`` (Trainer's own arguments share this namespace).
@@ -280,7 +281,7 @@ class TokenBudgetMixin(_TrainerBase):
         # On every rank, before any step: Trainer's accelerator training alone on each process of a launch.
         _accelerate.check_processes(self.accelerator.num_processes)
         self.token_cost = self._layout_cost()
-        sharded = bool(self.is_deepspeed_enabled or self.is_fsdp_enabled)
+        sharded = "DeepSpeed" if self.is_deepspeed_enabled else "FSDP" if self.is_fsdp_enabled else None
         check_supported(self.args, self.oom_mode, sharded=sharded)
         self._lr_step.check(
             deepspeed=bool(self.is_deepspeed_enabled), stream=_is_iterable(self.train_dataset)

@@ -144,10 +144,10 @@ def guarded_backward(
                     param.grad = grad if param.grad is None else param.grad.add_(grad)
 
 
-def check_supported(args: Any, oom_mode: str | None, *, sharded: bool) -> None:
+def check_supported(args: Any, oom_mode: str | None, *, sharded: str | None) -> None:
     """Raise for ``TrainingArguments`` ``args`` that a token-budget run cannot honour.
 
-    ``sharded``: DeepSpeed or FSDP trains the model.
+    ``sharded``: ``"DeepSpeed"`` or ``"FSDP"`` when one trains the model, else None.
 
     Raises:
         ValueError: ``auto_find_batch_size`` (it restarts the run), a
@@ -164,10 +164,26 @@ def check_supported(args: Any, oom_mode: str | None, *, sharded: bool) -> None:
             f"num_train_epochs should be a whole number with TokenBudgetTrainer (epochs have a varying "
             f"number of steps), but got num_train_epochs={args.num_train_epochs}; use max_steps instead"
         )
-    if oom_mode is not None and (sharded or args.n_gpu > 1):
+    if oom_mode is not None and sharded == "DeepSpeed":
+        raise ValueError(
+            f"oom_mode should be None under DeepSpeed, but got oom_mode={oom_mode!r}: DeepSpeed's engine "
+            f"runs the backward pass and the optimizer step itself, so the guard can neither run a batch "
+            f"again nor tell a rank's failure from a finished step. The sampler works unchanged with "
+            f"oom_mode=None"
+        )
+    if oom_mode is not None and sharded == "FSDP":
+        raise ValueError(
+            f"oom_mode should be None under the Trainer's FSDP, but got oom_mode={oom_mode!r}: under FSDP "
+            f"out of memory in the passes cannot be recovered from in place (the other ranks wait inside "
+            f"FSDP's collectives), and the guard stops the job for a restart only where the lowered budget "
+            f"is recorded for the restarted job (tokenbatch.probe.remember_budget), which TokenBudgetTrainer "
+            f"does not do yet. Use oom_mode=None (the sampler works unchanged), or the accelerate loop of "
+            f"docs/restarts.md (FSDP), which restarts the job from its last checkpoint"
+        )
+    if oom_mode is not None and args.n_gpu > 1:
         raise ValueError(
             f"oom_mode={oom_mode!r} guards single-process and DDP training (accelerate launch, "
-            f"torchrun), not DeepSpeed, FSDP or DataParallel; use oom_mode=None there"
+            f"torchrun), not DataParallel; use oom_mode=None there, or launch one process per GPU"
         )
     strategy = getattr(args, "train_sampling_strategy", None)  # transformers 5; 4.x: group_by_length=True
     if strategy in ("group_by_length", "batch_rebalance") or getattr(args, "group_by_length", False):
