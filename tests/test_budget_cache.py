@@ -8,6 +8,7 @@ import pkgutil
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from torch.utils.data import DataLoader
@@ -17,9 +18,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
 from cache_writer import write_budgets
 from oom_common import collate, loss_fn, make_rows, quiet, tiny_bert
 
-from tokenbatch import OOMFallback, TokenBudgetBatchSampler
+from tokenbatch import CostModel, OOMFallback, TokenBudgetBatchSampler, TokenBudgetStream
 from tokenbatch.probe import BudgetCache, BudgetKey, remember_budget
-from tokenbatch.probe._cache import default_path
+from tokenbatch.probe._cache import default_path, scope
 from tokenbatch.testing import inject_oom
 
 quiet()
@@ -110,6 +111,51 @@ def test_a_truncated_cache_does_not_stop_training(tmp_path: Path, caplog: pytest
     assert any(str(cache.path) in m and "ignoring it" in m for m in caplog.messages)
     entry = cache.get(key)  # the budget that fitted replaced the broken file
     assert entry is not None and entry["max_tokens"] == fallback.max_tokens
+
+
+def test_the_guard_starts_only_from_a_budget_found_on_lengths_like_its_own(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A budget remembered for sequences of 4..16 tokens was the start of a run on 64-token ones.
+    cache, key = BudgetCache(tmp_path / "budgets.json"), BudgetKey("m", "d", 1, "float32", 1)
+    cache.put(key, 64, source="oom", **scope(CostModel(), np.array([4, 16])))
+
+    def start(lengths: list[int], cost: CostModel | None = None) -> float:
+        sampler = TokenBudgetBatchSampler(lengths, max_tokens=256, cost=cost)
+        fallback = OOMFallback(sampler, torch.nn.Linear(4, 1))
+        remember_budget(fallback, key, cache=cache)
+        return fallback.max_tokens
+
+    with caplog.at_level(logging.WARNING, logger="tokenbatch.oom"):
+        assert start([4] * 6 + [16] * 6) == 64  # within the lengths it was found on
+        assert not caplog.messages
+        assert start([4] * 6 + [64] * 6) == 256
+        (message,) = caplog.messages
+        assert str(cache.path) in message and str(key) in message and "max_tokens=64" in message
+        assert "found on padded lengths 4..16, and this data's reach 4..64" in message
+        caplog.clear()
+        assert start([2] * 6 + [16] * 6) == 256  # shorter too: a per-sample cost the model does not count
+        assert "and this data's reach 2..16" in caplog.messages[0]
+        caplog.clear()
+        assert start([4] * 6 + [16] * 6, CostModel(quadratic=1 / 16)) == 256  # other units
+        assert "in the units of another cost model" in caplog.messages[0]
+        caplog.clear()
+        cache.path.write_text(json.dumps({str(key): {"max_tokens": 64, "source": "oom"}}))  # the old format
+        assert start([4] * 6 + [16] * 6) == 256
+        assert "written by an older tokenbatch" in caplog.messages[0]
+
+
+def test_a_stream_is_not_given_a_budget_found_on_other_data(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    cache, key = BudgetCache(tmp_path / "budgets.json"), BudgetKey("m", "d", 1, "float32", 1)
+    cache.put(key, 8, source="oom", **scope(CostModel(), np.array([4, 16])))
+    stream = TokenBudgetStream([{"input_ids": [0] * 4}] * 8, max_tokens=16)
+    fallback = OOMFallback(stream, torch.nn.Linear(4, 1))
+    with caplog.at_level(logging.WARNING, logger="tokenbatch.oom"):
+        remember_budget(fallback, key, cache=cache)
+    assert fallback.max_tokens == 16
+    assert "which a TokenBudgetStream does not know before it is read" in caplog.messages[0]
 
 
 @pytest.mark.parametrize("bad", [-5, 0, math.nan, math.inf, "8192", "lots", None, True, [64]], ids=repr)

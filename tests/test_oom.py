@@ -202,6 +202,9 @@ def test_the_budget_that_worked_is_remembered(tmp_path: Path, mode: str) -> None
     entry = cache.get(key)
     assert entry is not None and entry["max_tokens"] == fallback.max_tokens < 256
     assert entry["source"] == "oom" and entry["mode"] == mode
+    # What it holds for: the sampler's cost model and padded lengths (no run trusts it for others).
+    assert entry["version"] == 2 and entry["lengths"] == [min(LENGTHS), max(LENGTHS)]
+    assert entry["cost"] == {"linear": 1.0, "quadratic": 0.0, "per_sample": 0.0, "pad_to_multiple_of": 1}
     sampler = TokenBudgetBatchSampler(LENGTHS, 256, seed=0)
     again = OOMFallback(sampler, tiny_bert(0), mode=mode)
     remember_budget(again, key, cache=cache)

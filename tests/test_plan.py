@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import gc
+import hashlib
 import sys
+import tracemalloc
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -10,7 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tokenbatch import CostModel, TokenBudgetBatchSampler
-from tokenbatch.plan import fit_count
+from tokenbatch import plan as plan_module
+from tokenbatch.plan import fit_count, pack_sorted
 
 HUGE_BUDGETS = [1e30, sys.float_info.max, 2.0**53 + 2, 9.0e15]
 
@@ -51,3 +57,197 @@ def test_a_huge_finite_budget_plans_at_once(max_tokens: float, world: int) -> No
         assert sampler.stats().max_budget_use <= 1.0
         sampler.replan(max_tokens / 2, steps_done=0)
         assert sorted(i for b in sampler for i in b) == list(range(1000))
+
+
+# -- memory at scale: the same plans, in far fewer bytes -------------------------------------------
+
+
+def _plan_digest(sampler: TokenBudgetBatchSampler) -> str:
+    digest = hashlib.sha1()
+    for epoch in (0, 3):
+        sampler.set_epoch(epoch)
+        plan = sampler.plan
+        for array in (plan.order, plan.offsets, plan.skipped, plan.dropped):
+            digest.update(np.asarray(array, np.int64).tobytes())
+    sampler.replan(sampler.max_tokens / 2, steps_done=2)
+    digest.update(np.asarray(sampler.plan.order, np.int64).tobytes())
+    return digest.hexdigest()[:16]
+
+
+def _lognormal(n: int, seed: int = 0) -> np.ndarray:
+    return np.clip(np.rint(np.random.default_rng(seed).lognormal(np.log(300), 1.0, n)), 8, 4096).astype(int)
+
+
+# Digests of plans made by tokenbatch before planning was made lean (commit ce75d92): a checkpoint
+# saved then holds a plan's history, not its batches, so it resumes to these very batches only if the
+# planner still makes them.
+EARLIER_PLANS = {
+    "lognormal, quadratic, 2 ranks": (
+        lambda: _lognormal(30_000),
+        {"max_tokens": 131072, "cost": CostModel(quadratic=1 / 1024), "num_replicas": 2, "seed": 3},
+        "472d7cebdea8a61e",
+    ),
+    "short, padded to 8, capped": (
+        lambda: np.random.default_rng(1).integers(1, 90, 5_000),
+        {
+            "max_tokens": 2048,
+            "cost": CostModel(pad_to_multiple_of=8),
+            "max_batch_size": 64,
+            "batch_size_multiple": 8,
+            "num_replicas": 3,
+        },
+        "fce5a7ee49face86",
+    ),
+    "outliers alone, drop_last": (
+        lambda: np.concatenate([np.random.default_rng(2).integers(5, 200, 3_000), [5000, 7000]]),
+        {"max_tokens": 4096, "oversize": "alone", "drop_last": True, "num_replicas": 4},
+        "77ccfe1bb3511b77",
+    ),
+    "long lengths, no shuffle": (
+        lambda: np.random.default_rng(3).integers(1, 100_000, 2_000),
+        {"max_tokens": 400_000, "shuffle": False},
+        "0b0bcc1ab7b40864",
+    ),
+    "per-sample cost only": (
+        lambda: np.random.default_rng(4).integers(1, 50, 1_000),
+        {"max_tokens": 37, "cost": CostModel(linear=0, per_sample=1.0)},
+        "ca8ac7ec49fd3776",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(EARLIER_PLANS))
+def test_plans_are_the_ones_earlier_versions_made(name: str) -> None:
+    lengths, options, digest = EARLIER_PLANS[name]
+    sampler = TokenBudgetBatchSampler(lengths(), **options)
+    assert _plan_digest(sampler) == digest
+    # And a state saved then names the data as it did: its digest of the int64 lengths.
+    earlier = hashlib.blake2b(np.asarray(lengths(), np.int64).tobytes(), digest_size=16).hexdigest()
+    assert sampler.state_dict()["lengths_digest"] == earlier
+
+
+def test_planning_two_million_lengths_holds_at_most_16_bytes_a_sample() -> None:
+    # 57 bytes a sample before: int64 sort keys and float64 costs held per sample, an int64 argsort,
+    # costs gathered in sorted order, and two int64 index arrays to lay the batches out.
+    n = 2_000_000
+    lengths = _lognormal(n)
+    gc.collect()
+    tracemalloc.start()
+    sampler = TokenBudgetBatchSampler(lengths, 131072, cost=CostModel(quadratic=1 / 1024), seed=0)
+    plan = sampler.plan
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert peak / n <= 16, f"{peak / n:.1f} bytes a sample"
+    assert plan.order.dtype == np.int32 and len(plan.order) == n  # indices in 4 bytes where they fit
+
+
+@contextlib.contextmanager
+def _chunks_of(size: int) -> Iterator[None]:
+    """Run the planner's loops over the samples in chunks of ``size``, so that small cases cross them."""
+    default, plan_module._CHUNK = plan_module._CHUNK, size
+    try:
+        yield
+    finally:
+        plan_module._CHUNK = default
+
+
+def _greedy(
+    unit_sorted: np.ndarray, budget: float, most: int | None, multiple: int, first: float | None
+) -> list[int]:
+    """Greedy packing one sample at a time: each batch takes the most samples that fit with its last cost."""
+    sizes, start, limit = [], 0, budget if first is None else min(first, budget)
+    while start < len(unit_sorted):
+        count = 0
+        while (
+            start + count < len(unit_sorted)
+            and (most is None or count < most)
+            and (count + 1) * unit_sorted[start + count] <= limit
+        ):
+            count += 1
+        if count == 0:  # the first batch's share was too small for its first sample
+            limit = budget
+            continue
+        sizes.append(count - count % multiple if count >= multiple else count)
+        start += sizes[-1]
+        limit = budget
+    return sizes
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    lengths=st.lists(st.integers(1, 40), min_size=0, max_size=120),
+    budget=st.floats(40, 400),
+    most=st.none() | st.integers(1, 30),
+    multiple=st.sampled_from([1, 2, 3, 8]),
+    first=st.none() | st.floats(1, 400),
+)
+def test_packing_by_runs_is_greedy_packing(
+    lengths: list[int], budget: float, most: int | None, multiple: int, first: float | None
+) -> None:
+    unit_sorted = CostModel(quadratic=1 / 16).sample_cost(np.sort(np.array(lengths, dtype=np.int64)))
+    unit_sorted = unit_sorted[unit_sorted <= budget]  # what pack_sorted is given: each sample fits alone
+    sizes = pack_sorted(
+        unit_sorted, budget, max_batch_size=most, batch_size_multiple=multiple, first_budget=first
+    )
+    assert sizes.tolist() == _greedy(unit_sorted, budget, most, multiple, first)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    keys=st.lists(st.integers(0, 300), min_size=0, max_size=200)
+    | st.lists(st.integers(0, 10**6), max_size=60),
+    chunk=st.integers(1, 9),
+    seed=st.integers(0, 3),
+)
+def test_sorting_and_gathering_in_chunks_is_argsort_and_concatenate(
+    keys: list[int], chunk: int, seed: int
+) -> None:
+    key_array = np.array(keys, dtype=np.int64)
+    source = np.random.default_rng(seed).permutation(len(keys)).astype(np.int32)
+    low, high, counts, _ = plan_module._survey(source, key_array, key_array.astype(float))
+    with _chunks_of(chunk):
+        order, run_ends = plan_module._sort_by_key(source, key_array, low, high, counts, room=2)
+    expected = source[np.argsort(key_array[source], kind="stable")]
+    assert order[: len(keys)].tolist() == expected.tolist() and len(order) == len(keys) + 2
+    sorted_keys = key_array[expected]
+    assert run_ends.tolist() == [
+        i + 1 for i in range(len(keys)) if i + 1 == len(keys) or sorted_keys[i] != sorted_keys[i + 1]
+    ]
+    sizes = np.random.default_rng(seed).integers(1, 6, len(keys) // 3 + 1)
+    starts = np.random.default_rng(seed).integers(0, max(len(keys) - 5, 1), len(sizes))
+    if len(keys) >= 6:
+        with _chunks_of(chunk):
+            gathered = plan_module._gather_segments(expected, starts, sizes)
+        assert (
+            gathered.tolist()
+            == np.concatenate([expected[s : s + n] for s, n in zip(starts, sizes, strict=True)]).tolist()
+        )
+
+
+@pytest.mark.filterwarnings("ignore:TokenBudgetBatchSampler. all")
+@settings(max_examples=60, deadline=None)
+@given(
+    lengths=st.lists(st.integers(1, 70), min_size=1, max_size=150),
+    world=st.integers(1, 3),
+    seed=st.integers(0, 5),
+    oversize=st.sampled_from(["alone", "skip"]),
+)
+def test_plans_in_chunks_are_the_plans_in_one_go(
+    lengths: list[int], world: int, seed: int, oversize: str
+) -> None:
+    def plans() -> list[tuple[list[int], ...]]:
+        sampler = TokenBudgetBatchSampler(
+            lengths,
+            600,
+            cost=CostModel(quadratic=1 / 8),
+            seed=seed,
+            oversize=oversize,
+            num_replicas=world,
+            drop_last=True,
+        )
+        plan = sampler.plan
+        return [(plan.order.tolist(), plan.offsets.tolist(), plan.skipped.tolist(), plan.dropped.tolist())]
+
+    whole = plans()
+    with _chunks_of(4):
+        assert plans() == whole

@@ -76,7 +76,11 @@ def test_json_and_write_cache(
     entry = BudgetCache(cache_path).get(key)
     assert entry is not None and entry["source"] == "probe"
     assert entry["max_tokens"] == pytest.approx(payload["max_tokens"])
-    assert entry["cost"] == {k: payload["cost"][k] for k in ("linear", "quadratic", "per_sample")}
+    assert entry["cost"] == {k: payload["cost"][k] for k in ("linear", "quadratic", "per_sample")} | {
+        "pad_to_multiple_of": 1
+    }
+    measured = [row["length"] for row in payload["table"]]
+    assert entry["version"] == 2 and entry["lengths"] == [min(measured), 64]  # what it holds for
     assert payload["cache"]["path"] == str(cache_path)
 
 

@@ -16,6 +16,7 @@ import torch
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from tokenbatch import CostModel, TokenBudgetStream
+from tokenbatch.stream._source import Snapshots
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
 from stream_common import ids, long_tailed, make_examples, run_readers
@@ -127,6 +128,45 @@ def test_datasets_resume_rereads_from_its_own_state_not_from_the_start() -> None
     rereads = len(reads) - (len(EXAMPLES) - read)
     # From the newest datasets state at or before the oldest example still buffered.
     assert 0 <= rereads <= read - state["run"]["source_position"] < read // 2
+
+
+def test_a_datasets_stream_keeps_few_snapshots_through_an_epoch_never_checkpointed() -> None:
+    # Snapshots were pruned only by state_dict(): an epoch never checkpointed kept one per read, here
+    # one per refill of a 64-example buffer (about 400 by the end, growing with the epoch).
+    examples = make_examples(long_tailed(5000, seed=5))
+    settings = {**SETTINGS, "buffer_size": 64}
+
+    def source() -> Any:
+        import datasets
+
+        return datasets.Dataset.from_list(examples).to_iterable_dataset(num_shards=4)
+
+    stream = TokenBudgetStream(source(), **settings)
+    full, held = [], []
+    for batch in stream:
+        full.append(ids_of(batch))
+        assert stream._run is not None
+        held.append(len(stream._run.snapshots))
+    assert len(full) > 300 and max(held) <= Snapshots().limit
+    for step in (len(full) // 2, len(full) - 3):  # late in the epoch, and in its final round
+        first = TokenBudgetStream(source(), **settings)
+        done = ids(itertools.islice(iter(first), step))
+        resumed = TokenBudgetStream(source(), **settings)
+        resumed.load_state_dict(first.state_dict())
+        assert done + ids(resumed) == full
+
+
+def test_snapshots_stay_few_behind_an_example_that_lingers_and_still_cover_it() -> None:
+    # The oldest example held stays at position 5 while 2000 more reads come: pruning alone keeps them all.
+    snapshots = Snapshots()
+    for position in range(10, 20_010, 10):
+        snapshots.add(position, {"at": position}, oldest=5)
+        assert len(snapshots) <= snapshots.limit
+    assert snapshots.before(5) == (0, None)  # nothing at or before 5: from the start of the part
+    for oldest in (15, 9_999, 19_995, 20_000):  # then the lingering example leaves
+        position, state = snapshots.before(oldest)
+        assert position <= oldest and state == {"at": position}
+    assert snapshots.before(20_005) == (20_000, {"at": 20_000})  # the newest is always kept
 
 
 def test_a_sequence_resumes_by_index_without_reading_again() -> None:

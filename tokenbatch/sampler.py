@@ -33,14 +33,18 @@ from tokenbatch import _distributed as distributed
 from tokenbatch.cost import CostModel
 from tokenbatch.plan import (
     OVERSIZE_POLICIES,
+    Costs,
     History,
     Plan,
     Planner,
     PlanStats,
     Replan,
+    UnitTable,
     batch_stats,
     fit_count,
+    int_dtype,
     oversize_error,
+    samples_above,
 )
 
 __all__ = ["TokenBudgetBatchSampler"]
@@ -152,10 +156,10 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
         self.rank = None if rank is None else _checks.non_negative_int("rank", rank)
         if self._num_replicas is not None:
             _check_rank(self.rank, self._num_replicas)
-        # Sort keys and per-sample costs are computed once for the dataset.
-        # Packs sort by the examples' own lengths: only a pack's row is rounded to pad_to_multiple_of.
-        keys = self.lengths if self.cost.packing is not None else self.cost.padded_length(self.lengths)
-        self._keys = np.asarray(keys, dtype=np.int64)
+        # Sort keys and per-sample costs are computed once for the dataset: the keys (packs: the examples' own
+        # lengths, since only a pack's row is rounded to pad_to_multiple_of) in the narrowest
+        # integer type, the costs one per padded length where that is shorter (the planner's memory).
+        self._keys = _sort_keys(self.cost, self.lengths)
         self._unit = _per_sample_costs(self.cost, self._keys)
         # The budget: NaN until resolved ("auto"); every path that plans calls _need_budget() first.
         self._max_tokens = self._admitted = math.nan  # in force; the one oversize is judged against
@@ -246,6 +250,7 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
         """This epoch's global plan, with every re-plan so far applied."""
         key = (self._epoch, self.num_replicas, self._history)
         if self._cache is None or self._cache[0] != key:
+            self._cache = None  # the old plan's memory is free before the new one is made
             self._cache = (key, self._make_plan(self._epoch, self._history))
         return self._cache[1]
 
@@ -422,7 +427,8 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
 
     @functools.cached_property
     def _lengths_digest(self) -> str:
-        return hashlib.blake2b(self.lengths.tobytes(), digest_size=16).hexdigest()
+        # The array's own buffer where it is contiguous: tobytes() would copy 8 bytes a sample first.
+        return hashlib.blake2b(np.ascontiguousarray(self.lengths).data, digest_size=16).hexdigest()
 
     def state_dict(self, *, steps_done: int | None = None) -> dict[str, Any]:
         """Everything needed to resume this epoch at the same sample with the same budget, on any rank.
@@ -631,19 +637,32 @@ def is_auto(max_tokens: Any) -> bool:
     return False
 
 
-def _per_sample_costs(cost: CostModel, keys: np.ndarray) -> np.ndarray:
-    """``cost.sample_cost(keys)``, through a table of the lengths when that is cheaper."""
+def _sort_keys(cost: CostModel, lengths: np.ndarray) -> np.ndarray:
+    """``cost.padded_length(lengths)`` in the narrowest integer type, without an int64 array beside it.
+
+    Packs sort by the examples' own lengths: only a pack's row is rounded to ``pad_to_multiple_of``.
+    """
+    if cost.packing is not None:
+        return lengths.astype(int_dtype(0, int(lengths.max())))
+    longest = int(cost.padded_length(int(lengths.max())))
+    keys = np.empty(len(lengths), int_dtype(0, longest))
+    step = 1 << 16  # the int64 temporaries of padding a chunk stay small
+    for start in range(0, len(lengths), step):
+        keys[start : start + step] = cost.padded_length(lengths[start : start + step])
+    return keys
+
+
+def _per_sample_costs(cost: CostModel, keys: np.ndarray) -> Costs:
+    """``cost.sample_cost(keys)``: a table of one cost per length when that is shorter than the samples."""
     longest = int(keys.max())
     if longest <= 4 * len(keys):  # one entry per length up to the longest: far fewer than samples
-        table = cost.sample_cost(np.arange(longest + 1))
-        per_sample: np.ndarray = table[keys]
-        return per_sample
+        return UnitTable(keys, cost.sample_cost(np.arange(longest + 1)))
     return cost.sample_cost(keys)
 
 
-def _check_oversize(keys: np.ndarray, unit: np.ndarray, max_tokens: float, oversize: str) -> None:
+def _check_oversize(keys: np.ndarray, unit: Costs, max_tokens: float, oversize: str) -> None:
     """Raise (``oversize="error"``) or warn (``"alone"``) where a sample alone exceeds ``max_tokens``."""
-    too_big = np.flatnonzero(unit > max_tokens)
+    too_big = samples_above(unit, max_tokens)
     if len(too_big) and oversize == "error":
         raise oversize_error(too_big, keys, unit, max_tokens)
     if len(too_big) and oversize == "alone":
@@ -688,9 +707,9 @@ def _read_replans(replans: Any) -> tuple[Replan, ...]:
     return tuple(result)
 
 
-def _warn_if_one_length(lengths: np.ndarray, unit: np.ndarray, max_tokens: float, cap: int | None) -> None:
+def _warn_if_one_length(lengths: np.ndarray, unit: Costs, max_tokens: float, cap: int | None) -> None:
     """Token budgets need lengths that vary: warn when every sample has the same length."""
-    if len(lengths) < 2 or np.any(lengths != lengths[0]):
+    if len(lengths) < 2 or lengths.min() != lengths.max():
         return
     fixed = max(1, fit_count(float(unit[0]), max_tokens, len(lengths) if cap is None else cap))
     warnings.warn(

@@ -25,6 +25,7 @@ from transformers import BertConfig, BertForSequenceClassification
 from tokenbatch import TokenBudgetBatchSampler, auto_budget
 from tokenbatch.probe import BudgetCache
 from tokenbatch.probe._auto import budget_in_units
+from tokenbatch.probe._cache import scope
 
 LIMITS = (64 * 2**20, 40 * 2**20)
 LENGTHS = [int(n) for n in np.random.default_rng(0).integers(8, 129, 200)]
@@ -55,7 +56,7 @@ def main(out: Path) -> None:
 
     dist.barrier()
     if rank == 0:
-        cache.put(result.key, mine, source="probe")
+        cache.put(result.key, mine, source="probe", **scope(probed.cost, probed.lengths))
     else:
         cache.path.unlink(missing_ok=True)
     dist.barrier()

@@ -145,19 +145,22 @@ def run(args: argparse.Namespace) -> int:
     )
     cache_entry = None
     if args.write_cache:
+        import numpy as np
+
         from tokenbatch.probe import BudgetCache, BudgetKey
+        from tokenbatch.probe._cache import scope
 
         key = BudgetKey.for_device(
             args.model, device=result.device, dtype=args.dtype, world_size=args.world_size
         )
         cache = BudgetCache(args.cache)
-        cost = result.cost
-        cost_dict = {"linear": cost.linear, "quadratic": cost.quadratic, "per_sample": cost.per_sample}
+        # The lengths it holds for: the shortest and longest the probe measured.
+        measured = np.array([m.length for m in (*result.measurements, *result.checks)] + [result.max_len])
         cache.put(
             key,
             result.max_tokens,
             source="probe",
-            cost=cost_dict,
+            **scope(result.cost, measured),
             max_len=args.max_length,
             task=task,
             memory_limit=result.memory_limit,

@@ -19,7 +19,8 @@ anything (:meth:`MemoryModel.from_config`, whose ``.cost_model()`` and
 
 A budget that worked is worth keeping: :class:`BudgetCache` is a small JSON
 file of budgets keyed by :class:`BudgetKey` (model, device and memory, dtype,
-world size); ``tokenbatch probe --write-cache`` stores what it measured, and
+world size), each entry used only for data within the padded lengths it was
+found on, in the same cost units; ``tokenbatch probe --write-cache`` stores what it measured, and
 :func:`remember_budget` starts an OOM fallback from the cached budget and
 records each budget it falls back to. ``max_tokens="auto"`` puts it together:
 :func:`auto_budget` gives a sampler made with it the remembered budget, else

@@ -26,7 +26,7 @@ from tokenbatch import _distributed as distributed
 from tokenbatch.cost import CostModel
 from tokenbatch.oom import _fsdp
 from tokenbatch.plan import OversizeSampleError
-from tokenbatch.probe._cache import BudgetCache, BudgetKey
+from tokenbatch.probe._cache import BudgetCache, BudgetKey, out_of_scope, scope
 from tokenbatch.probe._measure import LossFn, MakeBatch, batch_maker, held_bytes, model_device
 from tokenbatch.probe._model import MemoryModel, check_margin, resolve_task
 from tokenbatch.probe._search import ProbeResult, default_memory_limit, find_max_tokens
@@ -163,21 +163,6 @@ def model_name(model: torch.nn.Module, config: Any = None) -> str:
     return f"{type(model).__name__}[{sum(p.numel() for p in model.parameters())} params, {digest}]"
 
 
-def _cached(cache: BudgetCache, key: BudgetKey, cost: CostModel) -> float:
-    """This rank's remembered budget for ``key`` in ``cost``'s units, or inf."""
-    entry = cache.get(key)
-    if entry is None:
-        return math.inf
-    stored = entry.get("cost")
-    mine = {"linear": cost.linear, "quadratic": cost.quadratic, "per_sample": cost.per_sample}
-    if isinstance(stored, dict) and any(not math.isclose(stored.get(k, 0.0), v) for k, v in mine.items()):
-        logger.info(
-            "not using the cached budget for %s: it is for cost %s, the sampler's is %s", key, stored, mine
-        )
-        return math.inf
-    return float(entry["max_tokens"])
-
-
 def auto_budget(
     model: torch.nn.Module,
     sampler: TokenBudgetBatchSampler,
@@ -202,7 +187,10 @@ def auto_budget(
     sampler's longest sequence, under ``memory_limit``), whose fitted memory
     model is turned into the sampler's cost units; with ``measure=False``, the
     analytic estimate from the config (:meth:`MemoryModel.from_config`). A
-    remembered budget more than ``SUSPECT_RATIO`` (4) times the estimate, or
+    remembered budget found on other data (padded lengths reaching beyond
+    those it was found on), in another cost model's units or by an older
+    tokenbatch that did not record them (:func:`~tokenbatch.probe._cache.out_of_scope`),
+    more than ``SUSPECT_RATIO`` (4) times the estimate, or
     below what one sample the sampler must batch costs (the longest with
     ``oversize="error"``, else the shortest), is not trusted: a warning names
     the file and the key, and the rank probes (or estimates) instead. The
@@ -286,12 +274,17 @@ def auto_budget(
     try:
         # This rank's budget: its own remembered one, else its own probe (or estimate). A rank
         # without an entry measures even where another rank has one: the ranks' memory can differ.
-        mine = _cached(store, key, cost)
-        if math.isfinite(mine):
-            if config is not None:
-                with contextlib.suppress(AttributeError, TypeError, ValueError):  # a check, not a need
-                    estimate = _estimate(model, config, dtype, device, cost, lengths, limit, margin, shards)
-            doubt = _suspect(mine, estimate, sampler)
+        entry = store.get(key)
+        mine = math.inf if entry is None else float(entry["max_tokens"])
+        if entry is not None:
+            doubt = out_of_scope(entry, cost, lengths)  # found on other data, or in other units
+            if doubt is None:
+                if config is not None:
+                    with contextlib.suppress(AttributeError, TypeError, ValueError):  # a check, not a need
+                        estimate = _estimate(
+                            model, config, dtype, device, cost, lengths, limit, margin, shards
+                        )
+                doubt = _suspect(mine, estimate, sampler)
             if doubt is not None:
                 logger.warning(
                     "not using the cached max_tokens=%s for %s in the budget cache %s: %s; %s instead",
@@ -345,7 +338,7 @@ def auto_budget(
     budget, fresh, source = _agree(budget, fresh, source, error)
     if remember and not own_entry:
         # Under this rank's own key, the budget every rank can run (ranks may share one file and key).
-        _remember(store, key, max(fresh, budget), source, cost, limit)
+        _remember(store, key, max(fresh, budget), source, scope(cost, lengths), limit)
     result = AutoBudget(budget, source, key, memory_limit=limit, estimate=estimate, probe=probe)
     try:
         sampler.resolve(budget)
@@ -432,11 +425,10 @@ def _agree(budget: float, fresh: float, source: str, error: Exception | None) ->
 
 
 def _remember(
-    store: BudgetCache, key: BudgetKey, budget: float, source: str, cost: CostModel, limit: float
+    store: BudgetCache, key: BudgetKey, budget: float, source: str, found_on: dict[str, Any], limit: float
 ) -> None:
-    entry_cost = {"linear": cost.linear, "quadratic": cost.quadratic, "per_sample": cost.per_sample}
     try:
-        store.put(key, budget, source=source, cost=entry_cost, memory_limit=limit)
+        store.put(key, budget, source=source, memory_limit=limit, **found_on)
     except (OSError, ValueError) as error:  # a cache is a convenience: never stop for it
         logger.warning(
             "could not remember max_tokens=%s in %s: %s", _checks.budget(budget), store.path, error

@@ -8,6 +8,17 @@ fallback from it and writes it after each budget change, the probe writes
 what it measured, and a training script may read it to pick its starting
 ``max_tokens``.
 
+A budget in cost units holds only for data like the data it was found on:
+under a cost model that counts tokens, a budget found on sequences of at most
+128 tokens overfills memory on 512-token data, whose attention grows with the
+square of the length. So each entry also records its *scope* (:func:`scope`):
+the cost model it is in and the range of padded lengths it was found on.
+:func:`remember_budget` and :func:`tokenbatch.auto_budget` use an entry only
+for data whose padded lengths lie in that range, in the same cost units
+(:func:`out_of_scope`), and otherwise measure again, with a warning that says
+why. Entries carry ``"version": 2``; one written before (no version, no
+scope) is never trusted, and is measured again with a warning.
+
 A cache is a convenience, so it never stops a run: a file that is not
 readable JSON, or an entry whose ``max_tokens`` is not a positive finite
 number, is a warning that names the file (and the key) and is then ignored;
@@ -30,12 +41,15 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 from filelock import FileLock
 
 from tokenbatch import _checks
 from tokenbatch import _distributed as distributed
+from tokenbatch.cost import CostModel
 from tokenbatch.plan import OversizeSampleError
+from tokenbatch.sampler import TokenBudgetBatchSampler
 
 if TYPE_CHECKING:
     from tokenbatch.oom import OOMFallback
@@ -46,6 +60,11 @@ logger = logging.getLogger("tokenbatch.oom")
 # A write holds the lock for milliseconds; waiting longer means the lock is stuck
 # (an unreliable network file system), and a cache is not worth a stalled run.
 LOCK_TIMEOUT_S = 30.0
+
+ENTRY_VERSION = 2
+"""The version :meth:`BudgetCache.put` writes in each entry. 2: the entry records its scope (cost model
+and padded lengths); entries without a version were written before and are not trusted."""
+_COST_TERMS = ("linear", "quadratic", "per_sample")
 
 
 def default_path() -> Path:
@@ -160,12 +179,17 @@ class BudgetCache:
     def put(self, key: BudgetKey, max_tokens: float, *, source: str, **extra: Any) -> None:
         """Store ``max_tokens`` for ``key``; ``source`` says who found it ("oom", "probe").
 
+        ``extra`` fields are stored beside it; pass ``**scope(cost, lengths)``
+        (the cost model and the lengths it was found on): without them no
+        run trusts the entry.
+
         Raises:
             OSError: the file cannot be written, or its lock not taken within
                 ``LOCK_TIMEOUT_S`` (30) seconds (``filelock.Timeout``).
         """
         max_tokens = _checks.positive_number("max_tokens", max_tokens)
         entry = {
+            "version": ENTRY_VERSION,
             "max_tokens": max_tokens,
             "source": source,
             "updated": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -197,19 +221,80 @@ class BudgetCache:
             raise
 
 
+def padded_range(cost: CostModel, lengths: np.ndarray) -> tuple[int, int]:
+    """The shortest and longest of ``lengths`` as ``cost`` pads them."""
+    return int(cost.padded_length(int(lengths.min()))), int(cost.padded_length(int(lengths.max())))
+
+
+def scope(cost: CostModel, lengths: np.ndarray) -> dict[str, Any]:
+    """What a budget holds for besides its key: its cost model and the padded lengths it was found on.
+
+    The fields an entry records (``BudgetCache.put(key, budget, source=..., **scope(cost, lengths))``).
+
+    Example:
+        >>> scope(CostModel(pad_to_multiple_of=8), np.array([5, 30, 17]))["lengths"]
+        [8, 32]
+    """
+    terms: dict[str, Any] = {name: getattr(cost, name) for name in _COST_TERMS}
+    terms["pad_to_multiple_of"] = cost.pad_to_multiple_of
+    return {"cost": terms, "lengths": list(padded_range(cost, lengths))}
+
+
+def out_of_scope(entry: dict[str, Any], cost: CostModel, lengths: np.ndarray) -> str | None:
+    """Why ``entry``'s budget cannot be trusted for ``lengths`` under ``cost``, or None where it can.
+
+    It can where it is in the same cost units (``linear``, ``quadratic`` and
+    ``per_sample``; the padding is in the lengths) and was found on padded
+    lengths reaching at least as short and as long as these: the memory of a
+    batch within the budget, per unit of cost, changes with the length unless
+    the cost model is exact.
+    """
+    version = entry.get("version")
+    if version is None:
+        return (
+            "the entry was written by an older tokenbatch, which did not record the cost model and the "
+            "lengths a budget was found on"
+        )
+    if version != ENTRY_VERSION:
+        return f"the entry has version={version!r}, and this tokenbatch reads version {ENTRY_VERSION}"
+    stored, found = entry.get("cost"), entry.get("lengths")
+    if not isinstance(stored, dict) or not (
+        isinstance(found, list) and len(found) == 2 and all(type(n) is int for n in found)
+    ):
+        return (
+            "the entry does not say which cost model and lengths it was found on (store one with "
+            "BudgetCache.put(key, max_tokens, source=..., **scope(cost, lengths)))"
+        )
+    mine = {name: getattr(cost, name) for name in _COST_TERMS}
+    theirs = {name: stored.get(name) for name in _COST_TERMS}
+    if any(not (isinstance(t := theirs[k], int | float) and math.isclose(t, v)) for k, v in mine.items()):
+        return f"it is in the units of another cost model ({theirs}; the sampler's is {mine})"
+    shortest, longest = padded_range(cost, lengths)
+    if shortest < found[0] or longest > found[1]:
+        return (
+            f"it was found on padded lengths {found[0]}..{found[1]}, and this data's reach "
+            f"{shortest}..{longest}"
+        )
+    return None
+
+
 def remember_budget(fallback: OOMFallback, key: BudgetKey, cache: BudgetCache | None = None) -> None:
     """Start ``fallback`` from the budget remembered for ``key``, and remember each budget that fits.
 
     Call it on every rank, right after making the fallback: the ranks agree
     on the smallest cached budget (ranks on other machines may read other
     files) in one all-reduce, and the fallback starts from it if it is
-    smaller than the budget in force. After each step that trained under a
-    new budget, the main process writes it to ``cache``; a cache that cannot
-    be written is a warning, never a stop. Under FSDP on several processes,
-    where out of memory in the passes stops the job for a restart, the rank
-    that ran out of memory writes the lowered budget before it stops: call this
-    after loading the checkpoint, and the restarted job starts from it (with a
-    cache beside the checkpoints, every rank of the restart reads it).
+    smaller than the budget in force. An entry found on other lengths or in
+    another cost model (:func:`out_of_scope`) is not used, with a warning.
+    After each step that trained under a new budget, the main process writes
+    it to ``cache`` with the sampler's cost model and lengths; a cache that
+    cannot be written is a warning, never a stop. Under FSDP on several
+    processes, where out of memory in the passes stops the job for a restart,
+    the rank that ran out of memory writes the lowered budget before it stops:
+    call this after loading the checkpoint, and the restarted job starts from
+    it (with a cache beside the checkpoints, every rank of the restart reads
+    it). A :class:`~tokenbatch.TokenBudgetStream` does not know its lengths
+    before it is read, so for one nothing is read or written (a warning says so).
 
     Args:
         fallback: the :class:`~tokenbatch.OOMFallback` guarding training.
@@ -218,18 +303,36 @@ def remember_budget(fallback: OOMFallback, key: BudgetKey, cache: BudgetCache | 
 
     Example:
         >>> import tempfile, pathlib, torch
-        >>> from tokenbatch import OOMFallback, TokenBudgetBatchSampler
+        >>> from tokenbatch import CostModel, OOMFallback, TokenBudgetBatchSampler
         >>> cache = BudgetCache(pathlib.Path(tempfile.mkdtemp()) / "budgets.json")
-        >>> key = BudgetKey("tiny", "cpu:x86_64", 2**34, "float32", 1)
-        >>> cache.put(key, 8, source="oom")
+        >>> key = BudgetKey("tiny", "cpu:x86_64", 2**30, "float32", 1)
+        >>> cache.put(key, 8, source="oom", **scope(CostModel(), np.array([4, 4])))
         >>> fallback = OOMFallback(TokenBudgetBatchSampler([4] * 12, max_tokens=16), torch.nn.Linear(4, 1))
         >>> remember_budget(fallback, key, cache=cache)
         >>> fallback.max_tokens
         8.0
     """
+    sampler = fallback.sampler
+    if not isinstance(sampler, TokenBudgetBatchSampler):
+        logger.warning(
+            "remember_budget reads and writes budgets for the lengths they were found on, which a "
+            "TokenBudgetStream does not know before it is read: nothing is remembered for %s",
+            key,
+        )
+        return
     store = cache if cache is not None else BudgetCache()
+    cost, lengths = sampler.cost, sampler.lengths
     entry = store.get(key)
-    mine = float(entry["max_tokens"]) if entry is not None else math.inf
+    doubt = None if entry is None else out_of_scope(entry, cost, lengths)
+    if entry is not None and doubt is not None:
+        logger.warning(
+            "not starting from the cached max_tokens=%g for %s in the budget cache %s: %s",
+            float(entry["max_tokens"]),
+            key,
+            store.path,
+            doubt,
+        )
+    mine = float(entry["max_tokens"]) if entry is not None and doubt is None else math.inf
     cached = -distributed.all_reduce_max([-mine], device=distributed.collective_device())[0]
     if cached < fallback.max_tokens:
         try:
@@ -240,6 +343,7 @@ def remember_budget(fallback: OOMFallback, key: BudgetKey, cache: BudgetCache | 
             )
         else:
             logger.info("starting from max_tokens=%s remembered for %s", _checks.budget(cached), key)
+    found_on = scope(cost, lengths)
 
     def save(fallback: OOMFallback) -> None:
         # The main process writes; under FSDP, where the guard stops the job for a restart (it has
@@ -247,7 +351,7 @@ def remember_budget(fallback: OOMFallback, key: BudgetKey, cache: BudgetCache | 
         if distributed.rank() != 0 and fallback._stopping is None:
             return
         try:
-            store.put(key, fallback.max_tokens, source="oom", mode=fallback.mode)
+            store.put(key, fallback.max_tokens, source="oom", mode=fallback.mode, **found_on)
         except (OSError, ValueError) as error:  # a cache is a convenience: never stop training for it
             logger.warning(
                 "could not remember max_tokens=%s in %s: %s",

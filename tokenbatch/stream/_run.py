@@ -123,7 +123,11 @@ class Run:
                 count -= len(chunk)
                 self._insert(np.arange(first, self.read), chunk)
         if self.read > start and self.part.kind == "datasets":
-            self.snapshots.add(self.read, self.part.snapshot())
+            # Pruned as it goes, not only when a state is asked for: an epoch may never be checkpointed.
+            held = self.buffer.positions()
+            self.snapshots.add(
+                self.read, self.part.snapshot(), oldest=int(held.min()) if len(held) else self.read
+            )
 
     def _insert(self, positions: np.ndarray, chunk: list[Any]) -> None:
         # Judged by the budget the stream was made with: an example it admitted stays admitted after an

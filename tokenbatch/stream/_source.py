@@ -160,15 +160,30 @@ class Snapshots:
     """Source states at past positions, so a resume can re-read from the oldest example still buffered.
 
     Only a ``datasets.IterableDataset`` has them; one is taken after every
-    read, and those older than the newest one at or before the oldest
-    buffered position are dropped.
+    read. Each :meth:`add` drops those older than the newest one at or before
+    the oldest position still buffered (no resume needs them), and where more
+    than ``limit`` are left (an example that lingers in the buffer while the
+    reads go on), every other one between the first and the newest: a resume
+    then re-reads a little more, never less, and memory stays bounded through
+    an epoch that is never checkpointed.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, limit: int = 32) -> None:
         self._states: deque[tuple[int, Any]] = deque()
+        self.limit = limit
 
-    def add(self, position: int, state: Any) -> None:
+    def __len__(self) -> int:
+        return len(self._states)
+
+    def add(self, position: int, state: Any, *, oldest: int | None = None) -> None:
+        """Keep ``state``, the source's state at ``position``; ``oldest``: the oldest position still held."""
         self._states.append((position, state))
+        if oldest is not None:
+            self.prune(oldest)
+        if len(self._states) > self.limit:
+            # The first is the one a resume needs now, the newest the one it will need soonest.
+            states = list(self._states)
+            self._states = deque(states[:1] + states[1:-1][1::2] + states[-1:])
 
     def prune(self, oldest: int) -> None:
         while len(self._states) > 1 and self._states[1][0] <= oldest:
