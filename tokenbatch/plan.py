@@ -47,6 +47,7 @@ import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -123,9 +124,36 @@ def pack_sorted(
         >>> pack_sorted(np.array([1.0, 1.0, 2.0, 2.0, 4.0]), 4.0).tolist()
         [2, 2, 1]
     """
-    n = len(unit_sorted)
-    run_ends = np.append(np.flatnonzero(unit_sorted[1:] != unit_sorted[:-1]) + 1, n)
-    pieces: list[np.ndarray] = []
+    run_ends = np.append(np.flatnonzero(unit_sorted[1:] != unit_sorted[:-1]) + 1, len(unit_sorted))
+    return _pack_runs(
+        unit_sorted[run_ends - 1] if len(unit_sorted) else unit_sorted,
+        run_ends if len(unit_sorted) else run_ends[:0],
+        budget,
+        max_batch_size=max_batch_size,
+        batch_size_multiple=batch_size_multiple,
+        first_budget=first_budget,
+    )
+
+
+def _pack_runs(
+    run_unit: np.ndarray,
+    run_ends: np.ndarray,
+    budget: float,
+    *,
+    max_batch_size: int | None,
+    batch_size_multiple: int,
+    first_budget: float | None = None,
+) -> np.ndarray:
+    """:func:`pack_sorted` of samples given as runs of equal cost: ``run_unit[r]`` up to ``run_ends[r]``.
+
+    The runs are what the sorted samples are made of, so no array of the
+    sample count is needed (one per distinct length is enough).
+    """
+    ends: list[int] = run_ends.tolist()  # Python numbers: the loop below is over runs, one scalar at a time
+    units: list[float] = run_unit.tolist()
+    n = ends[-1] if ends else 0
+    sizes: list[int] = []  # batch sizes, each repeated `times`
+    times: list[int] = []
     start = 0
     run = 0
     limit = budget if first_budget is None else min(first_budget, budget)
@@ -134,31 +162,37 @@ def pack_sorted(
     # n, so the batches are the ones an unbounded count makes.
     most = n + batch_size_multiple if max_batch_size is None else min(max_batch_size, n + batch_size_multiple)
     while start < n:
-        while run_ends[run] <= start:
+        while ends[run] <= start:
             run += 1
-        unit = float(unit_sorted[start])
-        room = fit_count(unit, limit, most)
+        room = fit_count(units[run], limit, most)
         if room == 0:  # the first batch's share was too small for its first sample
             limit = budget
             continue
         full = _round_to_multiple(room, batch_size_multiple)
         if limit == budget:
             # Inside a run of equal costs every batch takes exactly `full`.
-            repeats = (run_ends[run] - start) // full
+            repeats = (ends[run] - start) // full
             if repeats:
-                pieces.append(np.full(repeats, full, dtype=np.int64))
+                sizes.append(full)
+                times.append(repeats)
                 start += repeats * full
-                if start == run_ends[run]:
+                if start == ends[run]:
                     continue
-        # A batch that crosses into longer samples: the largest prefix whose
-        # count times its (growing) last cost stays within the limit.
-        window = unit_sorted[start : start + room]
-        costs = window * np.arange(1, len(window) + 1)
-        count = _round_to_multiple(int(np.searchsorted(costs, limit, side="right")), batch_size_multiple)
-        pieces.append(np.array([count], dtype=np.int64))
+        # A batch that crosses into longer samples: the largest count whose product with the cost of
+        # its last sample stays within the limit, within the `room` the first sample's cost leaves.
+        # The product grows with the count, so the first run whose first count is past the limit
+        # ends the search, and the count is found in the run before it.
+        window = min(room, n - start)
+        later = run
+        while ends[later] - start < window and (ends[later] - start + 1) * units[later + 1] <= limit:
+            later += 1
+        count = fit_count(units[later], limit, min(ends[later] - start, window))
+        count = _round_to_multiple(count, batch_size_multiple)
+        sizes.append(count)
+        times.append(1)
         start += count
         limit = budget
-    return np.concatenate(pieces) if pieces else np.empty(0, np.int64)
+    return np.repeat(np.array(sizes, np.int64), times)
 
 
 # -- the plan ----------------------------------------------------------------------
@@ -268,9 +302,7 @@ class Plan:
         return self.order[self.offsets[self.step_start(steps)] :]
 
 
-def oversize_error(
-    too_big: np.ndarray, keys: np.ndarray, unit: np.ndarray, budget: float
-) -> OversizeSampleError:
+def oversize_error(too_big: np.ndarray, keys: np.ndarray, unit: Costs, budget: float) -> OversizeSampleError:
     """The error for samples ``too_big`` that each cost more than ``budget`` alone."""
     first = int(too_big[0])
     return OversizeSampleError(
@@ -309,17 +341,33 @@ def _split_to_multiple(
 
 
 def _gather_segments(source: np.ndarray, starts: np.ndarray, sizes: np.ndarray) -> np.ndarray:
-    """``concatenate([source[s:s + n] for s, n in zip(starts, sizes)])`` without the loop."""
+    """``concatenate([source[s:s + n] for s, n in zip(starts, sizes)])`` without the loop.
+
+    In groups of consecutive segments of about ``_CHUNK`` elements (a longer
+    one is copied as a slice), so that the index arrays it needs stay that
+    small rather than two int64 arrays of the result's size.
+    """
     ends = np.cumsum(sizes)
-    shift = np.repeat(starts - (ends - sizes), sizes)
-    gathered: np.ndarray = source[np.arange(int(ends[-1]) if len(ends) else 0) + shift]
+    total = int(ends[-1]) if len(ends) else 0
+    gathered = np.empty(total, source.dtype)
+    first = 0
+    while first < len(sizes):
+        done = int(ends[first - 1]) if first else 0
+        last = max(int(ends.searchsorted(done + _CHUNK, side="right")), first + 1)
+        if last == first + 1:
+            gathered[done : ends[first]] = source[starts[first] : starts[first] + sizes[first]]
+        else:
+            group = sizes[first:last]
+            shift = np.repeat(starts[first:last] - (ends[first:last] - group - done), group)
+            gathered[done : ends[last - 1]] = source[np.arange(len(shift)) + shift]
+        first = last
     return gathered
 
 
 def plan_batches(
     indices: np.ndarray,
     keys: np.ndarray,
-    unit: np.ndarray,
+    unit: Costs,
     budget: float,
     *,
     rng: np.random.Generator | None,
@@ -336,7 +384,8 @@ def plan_batches(
     Args:
         indices: the sample indices to plan (all of them, or what is left).
         keys: padded length of every sample in the dataset (sort key).
-        unit: cost of every sample alone, nondecreasing in ``keys``.
+        unit: cost of every sample alone, a function of its key nondecreasing
+            in it: an array, or a :class:`UnitTable` of one cost per key.
         budget: the most one batch may cost.
         rng: randomness for tie-breaking, boundaries and step order; None
             plans in length order with no randomness.
@@ -366,11 +415,14 @@ def plan_batches(
         >>> [plan.batch(b).tolist() for b in range(plan.num_batches)]
         [[0, 2], [1, 3]]
     """
-    indices = np.asarray(indices, dtype=np.int64)
-    too_big = unit[indices] > budget
+    indices = _as_indices(indices, len(keys))
+    low, high, counts, dearest = _survey(indices, keys, unit)
     skipped = np.empty(0, np.int64)
     alone = np.empty(0, np.int64)
-    if too_big.any():
+    if dearest > budget:
+        too_big = np.concatenate(
+            [unit[indices[c : c + _CHUNK]] > budget for c in range(0, len(indices), _CHUNK)]
+        )
         worst = indices[too_big]
         if admitted is not None:
             fits = unit[worst] <= admitted
@@ -382,6 +434,8 @@ def plan_batches(
         else:
             alone = np.concatenate([alone, worst])
         indices = indices[~too_big]
+        del too_big
+        low, high, counts, _ = _survey(indices, keys, unit)
 
     if cost is not None and cost.packing is not None:
         return _plan_packs(
@@ -397,17 +451,20 @@ def plan_batches(
             drop_last=drop_last,
         )
 
-    if rng is None:
-        order = indices[np.argsort(_small_int(keys[indices]), kind="stable")]
-    else:
-        shuffled = rng.permutation(indices)
-        order = shuffled[np.argsort(_small_int(keys[shuffled]), kind="stable")]
-        del shuffled  # each temporary of the sample count freed as soon as it is done with (peak memory)
+    # Ordered by padded length, equal lengths in a random order (each temporary of the sample count is
+    # freed as soon as it is done with: this is the planner's peak memory).
+    shuffled = indices if rng is None else rng.permutation(indices)
+    order, run_ends = _sort_by_key(shuffled, keys, low, high, counts, room=len(alone))
+    del shuffled, counts
+    run_unit = unit[order[run_ends - 1]]
+    # Runs of equal cost, as pack_sorted sees them (keys of equal cost: a cost with per_sample alone).
+    distinct = np.append(run_unit[1:] != run_unit[:-1], True)[: len(run_unit)]
+    run_unit, run_ends = run_unit[distinct], run_ends[distinct]
 
-    unit_sorted = unit[order]
     pack = functools.partial(
-        pack_sorted,
-        unit_sorted,
+        _pack_runs,
+        run_unit,
+        run_ends,
         budget,
         max_batch_size=max_batch_size,
         batch_size_multiple=batch_size_multiple,
@@ -424,14 +481,17 @@ def plan_batches(
                 sizes = shifted
                 break
     if len(alone):
-        order = np.concatenate([order, alone])
+        order[len(order) - len(alone) :] = alone
         sizes = np.concatenate([sizes, np.ones(len(alone), np.int64)])
-        unit_sorted = unit[order]
     starts = np.cumsum(sizes) - sizes
+
+    def batch_costs() -> np.ndarray:
+        last: np.ndarray = sizes * unit[order[starts + sizes - 1]]  # a batch's cost: its last sample's
+        return last
 
     dropped = np.empty(0, np.int64)
     if len(sizes) % num_replicas:
-        costs = sizes * unit_sorted[starts + sizes - 1]
+        costs = batch_costs()
         split = None if drop_last else _split_to_multiple(starts, sizes, num_replicas, batch_size_multiple)
         if split is not None:
             starts, sizes = split
@@ -449,8 +509,8 @@ def plan_batches(
                 f"use drop_last=True, a larger max_tokens, or fewer processes"
             )
 
-    batch_order = _arrange_steps(sizes * unit_sorted[starts + sizes - 1], num_replicas, rng)
-    del pack, unit_sorted
+    batch_order = _arrange_steps(batch_costs(), num_replicas, rng)
+    del pack
     starts, sizes = starts[batch_order], sizes[batch_order]
     offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
     return Plan(_gather_segments(order, starts, sizes), offsets, num_replicas, skipped, dropped)
@@ -471,29 +531,25 @@ def _plan_packs(
 ) -> Plan:
     """Packs of whole examples, each within ``budget``: :func:`plan_batches` with ``cost.packing``.
 
-    A first version: examples in random order, each pack filled until the next
-    example does not fit (next fit).
+    The examples, longest first (lengths within about 4% of each other in a
+    random order, drawn again every epoch), fill one pack at a time from both
+    ends: the longest left while they fit, then the shortest left while they
+    fit. So a pack closes only when no example left fits in it, and what it
+    leaves unused is less than the shortest example left: packs are full but
+    for the last. Each step of ``num_replicas`` packs is then made of packs
+    of similar attention work, for ranks that take the same time.
     """
-    order = indices if rng is None else rng.permutation(indices)
-    cap = len(order) if max_batch_size is None else max_batch_size
-    sizes: list[int] = []
-    count = 0
-    total = 0
-    squares = 0.0
-    for length in lengths[order].tolist():
-        if count:
-            row = float(cost.padded_length(total + length))
-            area = squares + length * length if cost.packing == "varlen" else row * row
-            if (
-                count < cap
-                and cost.linear * row + cost.quadratic * area + cost.per_sample * (count + 1) <= budget
-            ):
-                count, total, squares = count + 1, total + length, squares + length * length
-                continue
-            sizes.append(count)
-        count, total, squares = 1, length, float(length * length)
-    if count:
-        sizes.append(count)
+    if rng is None:
+        order = indices[np.argsort(-lengths[indices], kind="stable")]
+    else:
+        shuffled = rng.permutation(indices)
+        bands = np.floor(np.log2(np.maximum(lengths[shuffled], 1)) * 16).astype(np.int64)
+        order = shuffled[np.argsort(-bands, kind="stable")]
+        del shuffled, bands
+    position, sizes = _fill_packs(
+        lengths[order], budget, cost, len(order) if max_batch_size is None else max_batch_size
+    )
+    order = order[position]
     order = np.concatenate([order, alone]).astype(np.int64)
     size_array = np.concatenate([np.asarray(sizes, np.int64), np.ones(len(alone), np.int64)])
     starts = np.cumsum(size_array) - size_array
@@ -518,10 +574,77 @@ def _plan_packs(
             )
     gathered = _gather_segments(order, starts, size_array)
     offsets = np.concatenate([[0], np.cumsum(size_array)]).astype(np.int64)
-    batch_order = _arrange_steps(cost.batch_costs(lengths[gathered], offsets), num_replicas, rng)
+    # Steps of packs alike in attention work (sum of squares under a varlen kernel), and so in tokens
+    # too, the packs being full: ranks that take the same time.
+    packed = lengths[gathered].astype(np.float64)
+    varlen = cost.packing == "varlen" and len(packed) > 0
+    work = np.add.reduceat(packed * packed, offsets[:-1]) if varlen else None
+    batch_order = _arrange_steps(
+        cost.batch_costs(lengths[gathered], offsets) if work is None else work, num_replicas, rng
+    )
     starts, size_array = (offsets[:-1])[batch_order], size_array[batch_order]
     offsets = np.concatenate([[0], np.cumsum(size_array)]).astype(np.int64)
     return Plan(_gather_segments(gathered, starts, size_array), offsets, num_replicas, skipped, dropped)
+
+
+def _fill_packs(
+    lengths: np.ndarray, budget: float, cost: CostModel, most: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Packs of ``lengths`` (longest first, each one within ``budget`` alone), filled from both ends.
+
+    Returns the positions in pack order and the packs' sizes. Each run taken
+    from one end is found by galloping on prefix sums: O(log k) cost checks
+    for a run of k examples, not one per example.
+    """
+    count = len(lengths)
+    exact = lengths.astype(np.int64)
+    tokens = [0, *np.cumsum(exact).tolist()]
+    squares = [0, *np.cumsum(exact * exact).tolist()]
+    linear, quadratic, per_sample = cost.linear, cost.quadratic, cost.per_sample
+    varlen = cost.packing == "varlen"
+
+    def fits(total: int, area: int, n: int) -> bool:
+        row = float(cost.padded_length(total))
+        return linear * row + quadratic * (float(area) if varlen else row * row) + per_sample * n <= budget
+
+    def longest_run(total: int, area: int, n: int, edge: int, sign: int, known: int, limit: int) -> int:
+        """The most examples, ``known <= k <= limit``, a pack of ``total`` tokens, ``area`` squares and
+        ``n`` examples still fits taken from ``edge`` on (``sign=1``) or before it (``sign=-1``)."""
+
+        def take(k: int) -> bool:
+            far = edge + sign * k
+            more, more_area = sign * (tokens[far] - tokens[edge]), sign * (squares[far] - squares[edge])
+            return fits(total + more, area + more_area, n + k)
+
+        step = 1
+        while known + step <= limit and take(known + step):
+            known += step
+            step *= 2
+        high = min(known + step, limit + 1)  # take(high) is false, or high is past the limit
+        while high - known > 1:
+            middle = (known + high) // 2
+            if take(middle):
+                known = middle
+            else:
+                high = middle
+        return known
+
+    low, high = 0, count  # the examples left are positions [low, high)
+    heads: list[int] = []
+    tails: list[int] = []
+    while low < high:
+        head = longest_run(0, 0, 0, low, 1, 1, min(high - low, most))
+        total, area = tokens[low + head] - tokens[low], squares[low + head] - squares[low]
+        low += head
+        tail = longest_run(total, area, head, high, -1, 0, min(high - low, most - head))
+        high -= tail
+        heads.append(head)
+        tails.append(tail)
+    head_sizes, tail_sizes = np.asarray(heads, np.int64), np.asarray(tails, np.int64)
+    starts = np.stack([np.cumsum(head_sizes) - head_sizes, count - np.cumsum(tail_sizes)], axis=1)
+    sizes = np.stack([head_sizes, tail_sizes], axis=1)
+    position = _gather_segments(np.arange(count, dtype=np.int64), starts.reshape(-1), sizes.reshape(-1))
+    return position, head_sizes + tail_sizes
 
 
 def _arrange_steps(costs: np.ndarray, num_replicas: int, rng: np.random.Generator | None) -> np.ndarray:
@@ -540,8 +663,159 @@ def _arrange_steps(costs: np.ndarray, num_replicas: int, rng: np.random.Generato
 def _small_int(keys: np.ndarray) -> np.ndarray:
     """Keys in the narrowest integer type, so numpy's stable sort can use radix sort."""
     if len(keys) and int(keys.max()) <= np.iinfo(np.int16).max:
-        return keys.astype(np.int16)
+        return keys.astype(np.int16, copy=False)
     return keys
+
+
+# -- memory: what planning holds per sample ---------------------------------------------
+#
+# Planning 10^8 samples or more is bounded by memory before time, so nothing here holds an
+# array of the sample count wider than it must: indices in int32 where they fit (index_dtype),
+# lengths in the narrowest integer type (int_dtype), the cost of each sample looked up per
+# padded length (UnitTable), the sort by length counted in chunks rather than argsorted
+# whole (argsort returns int64), and index arrays passed on as views, never copied wider.
+
+_CHUNK = 1 << 16
+"""Samples per step of the loops over the samples: their temporaries stay a few MiB."""
+_MAX_SPAN = 1 << 16
+"""Keys that span at most this many values are sorted by counting, in chunks."""
+
+
+def index_dtype(count: int) -> type[np.signedinteger[Any]]:
+    """The integer type of indices into ``count`` samples: int32 below 2**31, else int64.
+
+    Example:
+        >>> index_dtype(10**6).__name__, index_dtype(2**31).__name__
+        ('int32', 'int64')
+    """
+    return np.int32 if count < 2**31 else np.int64
+
+
+def int_dtype(low: int, high: int) -> type[np.signedinteger[Any]]:
+    """The narrowest signed integer type holding ``low`` to ``high`` (lengths, padded lengths).
+
+    Signed, so that differences of lengths never wrap around.
+
+    Example:
+        >>> int_dtype(1, 512).__name__, int_dtype(1, 100_000).__name__
+        ('int16', 'int32')
+    """
+    for dtype in (np.int8, np.int16, np.int32):
+        if np.iinfo(dtype).min <= low and high <= np.iinfo(dtype).max:
+            return dtype
+    return np.int64
+
+
+def _as_indices(indices: Any, count: int) -> np.ndarray:
+    """``indices`` as an array of :func:`index_dtype`; one that is already is passed on as it is."""
+    array = np.asarray(indices)
+    dtype = index_dtype(count)
+    return array if array.dtype == dtype else array.astype(dtype)
+
+
+class UnitTable:
+    """Each sample's cost alone, ``table[keys[i]]``: one cost per padded length, not one per sample.
+
+    What the planner asks of per-sample costs (``unit[indices]``, ``len(unit)``)
+    without an array of 8 bytes a sample. ``table`` must be nondecreasing (a
+    cost model's costs of the lengths 0, 1, ... are).
+
+    Example:
+        >>> costs = UnitTable(np.array([3, 1, 3]), np.array([0.0, 10.0, 20.0, 30.0]))
+        >>> costs[np.array([0, 1])].tolist(), len(costs), np.asarray(costs).tolist()
+        ([30.0, 10.0], 3, [30.0, 10.0, 30.0])
+    """
+
+    __slots__ = ("keys", "table")
+
+    def __init__(self, keys: np.ndarray, table: np.ndarray) -> None:
+        self.keys, self.table = keys, table
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def __getitem__(self, index: Any) -> Any:
+        return self.table[self.keys[index]]
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        costs: np.ndarray = self.table[self.keys]  # a new array: 8 bytes a sample
+        return costs if dtype is None else costs.astype(dtype)
+
+    def above(self, budget: float) -> np.ndarray:
+        """The samples that alone cost more than ``budget``, in index order."""
+        over = self.table > budget
+        return np.flatnonzero(over[self.keys]) if over.any() else np.empty(0, np.int64)
+
+
+Costs = np.ndarray | UnitTable
+"""Per-sample costs: an array, or a :class:`UnitTable`."""
+
+
+def samples_above(unit: Costs, budget: float) -> np.ndarray:
+    """The indices of the samples that alone cost more than ``budget``."""
+    return unit.above(budget) if isinstance(unit, UnitTable) else np.flatnonzero(unit > budget)
+
+
+def _survey(indices: np.ndarray, keys: np.ndarray, unit: Costs) -> tuple[int, int, np.ndarray | None, float]:
+    """The smallest and largest key of ``indices``, the count of each key in between (None where the
+    keys span too many values to count them), and the dearest sample's cost alone; in chunks."""
+    if len(indices) == 0:
+        return 0, 0, None, -math.inf
+    table = unit.table if isinstance(unit, UnitTable) and unit.keys is keys else None
+    one = len(indices) <= _CHUNK  # then the chunk's keys are kept for the count
+    low, high, dearest = math.inf, -math.inf, -math.inf
+    for c in range(0, len(indices), _CHUNK):
+        part = keys[indices[c : c + _CHUNK]]
+        low, high = min(low, int(part.min())), max(high, int(part.max()))
+        costs = table[part] if table is not None else unit[indices[c : c + _CHUNK]]
+        dearest = max(dearest, float(costs.max()))
+    low, high = int(low), int(high)
+    if high - low >= _MAX_SPAN:
+        return low, high, None, dearest
+    counts = np.zeros(high - low + 1, np.int64)
+    for c in range(0, len(indices), _CHUNK):
+        part = part if one else keys[indices[c : c + _CHUNK]]
+        counts += np.bincount(part - low if low else part, minlength=len(counts))
+    return low, high, counts, dearest
+
+
+def _sort_by_key(
+    source: np.ndarray, keys: np.ndarray, low: int, high: int, counts: np.ndarray | None, *, room: int = 0
+) -> tuple[np.ndarray, np.ndarray]:
+    """``source`` stably sorted by ``keys[source]``, with ``room`` free places at the end, and where
+    each run of equal keys ends.
+
+    ``source[np.argsort(keys[source], kind="stable")]``, but by counting: ``counts``
+    (of each key from ``low`` to ``high``) say where each key's run starts, and
+    each chunk of ``source`` is sorted on its own and put in place. So no int64
+    array of the sample count is made (argsort's result is one). Without
+    ``counts``, argsort it is.
+    """
+    n = len(source)
+    order = np.empty(n + room, source.dtype)
+    if counts is None:
+        sorted_keys = keys[source]
+        by_key = np.argsort(_small_int(sorted_keys), kind="stable")
+        order[:n] = source[by_key]
+        sorted_keys = sorted_keys[by_key]
+        del by_key
+        run_ends = np.append(np.flatnonzero(sorted_keys[1:] != sorted_keys[:-1]) + 1, n)
+        return order, run_ends if n else run_ends[:0]
+    # Radix sort (numpy's stable sort of 16-bit integers) within each chunk, of the keys less `low`.
+    narrow = np.uint8 if high - low < 2**8 else np.uint16
+    place = np.cumsum(counts) - counts  # where the next sample of each key goes
+    for c in range(0, n, _CHUNK):
+        part = source[c : c + _CHUNK]
+        chunk_keys = (keys[part] - low).astype(narrow)
+        by_key = np.argsort(chunk_keys, kind="stable")
+        chunk_counts = np.bincount(chunk_keys, minlength=len(counts))
+        # The j-th sample of the sorted chunk goes to place[key] + (j - the chunk's first of that key).
+        shift = place - (np.cumsum(chunk_counts) - chunk_counts)
+        destination = shift[chunk_keys[by_key]]
+        destination += np.arange(len(part))
+        order[destination] = part[by_key]
+        place += chunk_counts
+    return order, np.cumsum(counts[counts > 0])
 
 
 # -- an epoch's plan after its re-plans --------------------------------------------
@@ -606,7 +880,7 @@ class Planner:
     """The sampler's planning inputs: sort keys and costs of every sample, and its settings."""
 
     keys: np.ndarray
-    unit: np.ndarray
+    unit: Costs
     shuffle: bool
     seed: int
     max_batch_size: int | None
@@ -635,7 +909,7 @@ class Planner:
         for number, replan in enumerate([start, *history.replans]):
             name = names[number] if names is not None else f"re-plan {number}"
             if plan is None:
-                rest = np.arange(len(self.keys))
+                rest = np.arange(len(self.keys), dtype=index_dtype(len(self.keys)))
             elif replan.steps_done > plan.num_steps:
                 raise ValueError(
                     f"{name} should re-plan within the {plan.num_steps} steps planned before it, "
@@ -725,7 +999,7 @@ def lower_bound_steps(
     budget: float,
     num_replicas: int = 1,
     *,
-    unit: np.ndarray | None = None,
+    unit: Costs | None = None,
 ) -> float:
     """Steps if nothing were padded and every batch filled the budget: sum cost(1, L_i) / budget / W.
 
@@ -735,7 +1009,7 @@ def lower_bound_steps(
         >>> lower_bound_steps(np.array([10, 30]), CostModel(), 20.0)
         2.0
     """
-    total = float((cost.sample_cost(lengths) if unit is None else unit).sum())
+    total = float((cost.sample_cost(lengths) if unit is None else np.asarray(unit)).sum())
     return total / budget / num_replicas
 
 
@@ -745,7 +1019,7 @@ def batch_stats(
     cost: CostModel,
     budget: float | np.ndarray,
     *,
-    unit: np.ndarray | None = None,
+    unit: Costs | None = None,
 ) -> PlanStats:
     """Padding, budget use, batch sizes and step balance of ``plan``.
 
@@ -763,18 +1037,19 @@ def batch_stats(
         >>> stats.num_batches, stats.padding_efficiency, stats.mean_budget_use
         (2, 0.9375, 1.0)
     """
-    unit = cost.sample_cost(lengths) if unit is None else unit
+    unit = cost.sample_cost(lengths) if unit is None else np.asarray(unit)
     sizes = plan.batch_sizes()
     world = plan.num_replicas
     skipped, dropped = len(plan.skipped), len(plan.dropped)
     if len(sizes) == 0:
         return PlanStats(len(lengths), 0, 0, 0.0, 0.0, 0.0, 0.0, 0.0, 0, skipped, dropped)
-    longest = plan.batch_longest(lengths)
-    costs = plan.batch_costs(lengths, cost)
+    longest = plan.batch_longest(lengths).astype(np.int64)  # padded below: no wrap in a narrow type
     if cost.packing is None:
+        costs = sizes * cost.sample_cost(longest)
         tokens = sizes * cost.padded_length(longest)
     else:  # one row per pack, its length rounded up
-        tokens = cost.padded_length(np.add.reduceat(lengths[plan.order], plan.offsets[:-1]))
+        costs = plan.batch_costs(lengths, cost)
+        tokens = cost.padded_length(np.add.reduceat(lengths[plan.order].astype(np.int64), plan.offsets[:-1]))
     steps = -(-len(costs) // world)
     padded = np.zeros(steps * world)  # a partial last step, filled with batches that cost nothing
     padded[: len(costs)] = costs
