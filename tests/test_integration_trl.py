@@ -155,7 +155,9 @@ def test_padding_free_trains_each_example_once_with_the_loss_of_the_same_batches
     assert once(packed) == once(plain) == once(runs("plain"))
     assert packed["steps"] == plain["steps"] and len(plain["steps"]) >= 3
     assert packed["losses"] == pytest.approx(plain["losses"], abs=1e-5)
-    assert len(packed["steps"]) < len(runs("budget")["steps"])  # no padding: more examples per budget
+    # No padding, but eager attention scores the whole row, (sum L)^2: at this budget, no more steps than
+    # padded batches (fewer where the linear term leads: the benchmarks' rows).
+    assert len(packed["steps"]) <= len(runs("budget")["steps"])
 
 
 def test_padding_free_split_after_out_of_memory_in_backward_keeps_the_loss(runs: Any) -> None:
