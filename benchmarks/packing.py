@@ -2,9 +2,10 @@
 
 For the emotion and IMDB train sets (all-MiniLM-L6-v2 token lengths, IMDB
 untruncated, up to 3127 tokens; shuffled once, IMDB's rows are sorted by
-label), one budget per data set, ``B`` tokens per batch and rank (2048 on
-emotion, 4096 on IMDB: each above the longest example), one epoch on 1 and on
-2 ranks, the batchings a user has today:
+label) and a long-tailed lognormal set (20000 lengths, median 300, up to
+8000), one budget per data set, ``B`` tokens per batch and rank (2048 on
+emotion, 4096 on IMDB, 8192 on lognormal: each above the longest example),
+one epoch on 1 and on 2 ranks, the batchings a user has today:
 
 - ``trl_bfd``: TRL's ``packing=True``: ``trl.pack_dataset(strategy="bfd")`` at
   TRL's default ``max_length=1024`` (examples over it truncated), the packed
@@ -110,7 +111,7 @@ class Epoch:
 
 
 def load(quick: bool) -> list[Dataset]:
-    """emotion and IMDB (real where the data folder has them, else synthetic stand-ins of their shape).
+    """emotion and IMDB (real where the data folder has them, else synthetic stand-ins), and a lognormal set.
 
     ``quick``: small synthetic stand-ins, so that the smoke test tokenizes nothing.
     """
@@ -133,6 +134,12 @@ def load(quick: bool) -> list[Dataset]:
             why = "--quick" if quick else "no data dir found"
             source = f"SYNTHETIC {name}-like ({why}): {n} lognormal lengths, median {median}, {low}..{high}"
         found.append(Dataset(name, lengths, source, budget))
+    # Long-tailed lengths no tokenizer made: a lognormal set, as in the padding benchmark.
+    rng = np.random.default_rng(7)
+    n = 400 if quick else 20000
+    lengths = np.clip(np.rint(rng.lognormal(math.log(300), 0.9, n)), 10, 8000).astype(np.int64)
+    source = f"synthetic: {n} lognormal lengths, median 300, sigma 0.9, 10..8000"
+    found.append(Dataset("lognormal", lengths, source, 8192))
     return found
 
 

@@ -251,3 +251,78 @@ def test_plans_in_chunks_are_the_plans_in_one_go(
     whole = plans()
     with _chunks_of(4):
         assert plans() == whole
+
+
+# -- packs (CostModel(packing=...)) ---------------------------------------------------------------
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    lengths=st.lists(st.integers(1, 300), min_size=1, max_size=120),
+    budget=st.integers(300, 3000),
+    packing=st.sampled_from(["varlen", "full"]),
+    quadratic=st.sampled_from([0.0, 1 / 256]),
+    pad=st.sampled_from([1, 8]),
+    most=st.integers(1, 50),
+)
+def test_no_example_of_a_later_pack_fits_in_an_earlier_one(
+    lengths: list[int], budget: int, packing: str, quadratic: float, pad: int, most: int
+) -> None:
+    cost = CostModel(quadratic=quadratic, pad_to_multiple_of=pad, packing=packing)
+    array = np.array(sorted(lengths, reverse=True))
+    budget = max(budget, cost.batch_cost([array[0]]))
+    position, sizes = plan_module._fill_packs(array, float(budget), cost, most)
+    assert sorted(position.tolist()) == list(range(len(array)))  # every example once, whole
+    packs = np.split(array[position], np.cumsum(sizes)[:-1])
+    for i, pack in enumerate(packs):
+        assert 0 < len(pack) <= most and cost.batch_cost(pack) <= budget
+        if len(pack) == most:
+            continue
+        # Every example of a later pack came when pack i was there, and did not fit it (with the room
+        # read on the safe side of pad_to_multiple_of's rounding): the packs are full.
+        for later in np.concatenate([[0], *packs[i + 1 :]])[1:]:
+            assert cost.batch_cost([*pack, later + 2 * (pad - 1)]) > budget
+
+
+@pytest.mark.parametrize(
+    ("name", "lengths", "budget"),
+    [
+        (
+            "emotion-like",
+            np.clip(np.rint(np.random.default_rng(0).lognormal(np.log(20), 0.5, 16000)), 3, 87),
+            2048,
+        ),
+        (
+            "imdb-like",
+            np.clip(np.rint(np.random.default_rng(1).lognormal(np.log(230), 0.75, 25000)), 10, 3127),
+            4096,
+        ),
+        (
+            "lognormal",
+            np.clip(np.rint(np.random.default_rng(2).lognormal(np.log(300), 0.9, 20000)), 10, 8000),
+            8192,
+        ),
+    ],
+)
+def test_packs_fill_the_budget_and_two_ranks_get_the_same_work(
+    name: str, lengths: np.ndarray, budget: int
+) -> None:
+    lengths = lengths.astype(np.int64)
+    sampler = TokenBudgetBatchSampler(
+        lengths, max_tokens=budget, cost=CostModel(packing="varlen"), num_replicas=2, rank=0, seed=3
+    )
+    plan = sampler.plan
+    seen = np.bincount(plan.order, minlength=len(lengths))
+    assert (seen == 1).all()
+    tokens = np.add.reduceat(lengths[plan.order], plan.offsets[:-1]).astype(np.float64)
+    squares = np.add.reduceat(lengths[plan.order].astype(np.float64) ** 2, plan.offsets[:-1])
+    assert tokens.max() <= budget and tokens.mean() / budget >= 0.99, name
+    for work in (tokens, squares):  # per step, the busiest rank over the mean rank
+        steps = work[: len(work) // 2 * 2].reshape(-1, 2)
+        assert (steps.max(axis=1) / steps.mean(axis=1)).mean() <= 1.02, name
+    sampler.set_epoch(1)
+    again = sampler.plan
+    mates = {frozenset(plan.batch(b).tolist()) for b in range(plan.num_batches)}
+    assert sum(frozenset(again.batch(b).tolist()) in mates for b in range(again.num_batches)) < 0.1 * len(
+        mates
+    )

@@ -532,12 +532,11 @@ def _plan_packs(
     """Packs of whole examples, each within ``budget``: :func:`plan_batches` with ``cost.packing``.
 
     The examples, longest first (lengths within about 4% of each other in a
-    random order, drawn again every epoch), fill one pack at a time from both
-    ends: the longest left while they fit, then the shortest left while they
-    fit. So a pack closes only when no example left fits in it, and what it
-    leaves unused is less than the shortest example left: packs are full but
-    for the last. Each step of ``num_replicas`` packs is then made of packs
-    of similar attention work, for ranks that take the same time.
+    random order, drawn again every epoch), each go to the first pack they fit
+    in (first fit decreasing, :func:`_fill_packs`): a pack is left with room
+    only for examples shorter than any left. Each step of ``num_replicas``
+    packs is then made of packs of similar attention work, for ranks that take
+    the same time.
     """
     if rng is None:
         order = indices[np.argsort(-lengths[indices], kind="stable")]
@@ -590,61 +589,81 @@ def _plan_packs(
 def _fill_packs(
     lengths: np.ndarray, budget: float, cost: CostModel, most: int
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Packs of ``lengths`` (longest first, each one within ``budget`` alone), filled from both ends.
+    """Packs of ``lengths`` (longest first, each one within ``budget`` alone), first fit decreasing.
 
-    Returns the positions in pack order and the packs' sizes. Each run taken
-    from one end is found by galloping on prefix sums: O(log k) cost checks
-    for a run of k examples, not one per example.
+    Each example goes to the first pack it fits in, found in O(log packs) on a
+    tree of the room each pack has left: in cost units under a varlen kernel
+    (a pack's cost is a sum over its examples), in tokens under one that
+    scores the whole row. A pack's room is read so that an example given it
+    surely fits (``pad_to_multiple_of`` rounds the row up: at most that many
+    tokens are left unused per pack), and the exact cost is checked on top.
+    Returns the positions in pack order and the packs' sizes.
     """
     count = len(lengths)
-    exact = lengths.astype(np.int64)
-    tokens = [0, *np.cumsum(exact).tolist()]
-    squares = [0, *np.cumsum(exact * exact).tolist()]
     linear, quadratic, per_sample = cost.linear, cost.quadratic, cost.per_sample
     varlen = cost.packing == "varlen"
+    slack = cost.pad_to_multiple_of - 1
 
     def fits(total: int, area: int, n: int) -> bool:
         row = float(cost.padded_length(total))
         return linear * row + quadratic * (float(area) if varlen else row * row) + per_sample * n <= budget
 
-    def longest_run(total: int, area: int, n: int, edge: int, sign: int, known: int, limit: int) -> int:
-        """The most examples, ``known <= k <= limit``, a pack of ``total`` tokens, ``area`` squares and
-        ``n`` examples still fits taken from ``edge`` on (``sign=1``) or before it (``sign=-1``)."""
+    def widest_row(n: int) -> int:
+        """The longest row (a multiple of ``pad_to_multiple_of``) of ``n`` examples within the budget."""
+        left = budget - per_sample * n
+        if quadratic > 0:
+            x = (-linear + math.sqrt(linear * linear + 4 * quadratic * max(left, 0.0))) / (2 * quadratic)
+        else:
+            x = left / linear if linear > 0 else float(count * int(lengths.max(initial=1)) + 1)
+        row = int(cost.padded_length(max(int(x), 0)))
+        while row > 0 and not fits(row, 0, n):
+            row -= cost.pad_to_multiple_of
+        return row
 
-        def take(k: int) -> bool:
-            far = edge + sign * k
-            more, more_area = sign * (tokens[far] - tokens[edge]), sign * (squares[far] - squares[edge])
-            return fits(total + more, area + more_area, n + k)
+    size = 1 << max(count - 1, 0).bit_length()
+    room = [-math.inf] * (2 * size)  # a max-tree over the packs' room, leaves from ``size`` on
+    totals: list[int] = []
+    areas: list[int] = []
+    counts: list[int] = []
+    pack_of = np.empty(count, np.int64)
 
-        step = 1
-        while known + step <= limit and take(known + step):
-            known += step
-            step *= 2
-        high = min(known + step, limit + 1)  # take(high) is false, or high is past the limit
-        while high - known > 1:
-            middle = (known + high) // 2
-            if take(middle):
-                known = middle
-            else:
-                high = middle
-        return known
+    def set_room(pack: int) -> None:
+        total, area, n = totals[pack], areas[pack], counts[pack]
+        if n >= most:
+            value = -math.inf
+        elif varlen:
+            row = float(cost.padded_length(total))
+            value = budget - (linear * row + quadratic * area + per_sample * n)
+        else:
+            value = float(widest_row(n + 1) - total)
+        i = size + pack
+        room[i] = value
+        i >>= 1
+        while i:
+            room[i] = max(room[2 * i], room[2 * i + 1])
+            i >>= 1
 
-    low, high = 0, count  # the examples left are positions [low, high)
-    heads: list[int] = []
-    tails: list[int] = []
-    while low < high:
-        head = longest_run(0, 0, 0, low, 1, 1, min(high - low, most))
-        total, area = tokens[low + head] - tokens[low], squares[low + head] - squares[low]
-        low += head
-        tail = longest_run(total, area, head, high, -1, 0, min(high - low, most - head))
-        high -= tail
-        heads.append(head)
-        tails.append(tail)
-    head_sizes, tail_sizes = np.asarray(heads, np.int64), np.asarray(tails, np.int64)
-    starts = np.stack([np.cumsum(head_sizes) - head_sizes, count - np.cumsum(tail_sizes)], axis=1)
-    sizes = np.stack([head_sizes, tail_sizes], axis=1)
-    position = _gather_segments(np.arange(count, dtype=np.int64), starts.reshape(-1), sizes.reshape(-1))
-    return position, head_sizes + tail_sizes
+    for position, length in enumerate(lengths.tolist()):
+        need = linear * (length + slack) + quadratic * length * length + per_sample if varlen else length
+        pack = -1
+        if room[1] >= need:
+            i = 1
+            while i < size:
+                i = 2 * i if room[2 * i] >= need else 2 * i + 1
+            pack = i - size
+            if not fits(totals[pack] + length, areas[pack] + length * length, counts[pack] + 1):
+                pack = -1  # float rounding at the edge: a pack of its own, never over the budget
+        if pack < 0:
+            pack = len(totals)
+            totals.append(0)
+            areas.append(0)
+            counts.append(0)
+        totals[pack] += length
+        areas[pack] += length * length
+        counts[pack] += 1
+        pack_of[position] = pack
+        set_room(pack)
+    return np.argsort(pack_of, kind="stable"), np.bincount(pack_of, minlength=len(totals))
 
 
 def _arrange_steps(costs: np.ndarray, num_replicas: int, rng: np.random.Generator | None) -> np.ndarray:
