@@ -442,3 +442,9 @@ def test_the_guard_refuses_a_dataloader_that_batches_the_streams_batches_again()
     with pytest.raises(ValueError, match=message):
         next(iter(fallback.iterate(DataLoader(stream, collate_fn=list))))
     assert next(iter(fallback.iterate(DataLoader(stream, batch_size=None, collate_fn=list))))
+
+
+def test_a_packed_cost_is_refused_with_the_map_style_sampler_named() -> None:
+    # The stream's batches are padded; a whole-row (full) packed cost could exceed the budget with them.
+    with pytest.raises(ValueError, match=r"packing='full'.*TokenBudgetBatchSampler"):
+        TokenBudgetStream([{"length": 3}], 64, cost=CostModel(packing="full"), length="length")
