@@ -150,7 +150,7 @@ def budgeted(name: str, setup: runs.Setup, precision: str, *, auto: bool = False
             raise NotImplementedError("this tokenbatch has no max_tokens='auto' (tokenbatch.auto_budget)")
         sampler = TokenBudgetBatchSampler(setup.lengths, "auto", seed=0)  # type: ignore[arg-type]
         started = time.perf_counter()
-        limit = None if setup.device.type == "cuda" else 2**30
+        limit = None if setup.device.type == "cuda" else 2**26 if setup.tiny else 2**30
         saved = os.environ.get("TOKENBATCH_CACHE")
         with tempfile.TemporaryDirectory() as cache, runs.autocast(setup.device, precision):
             os.environ["TOKENBATCH_CACHE"] = str(Path(cache) / "budgets.json")  # not the user's budgets
