@@ -66,6 +66,35 @@ def test_resume_yields_exactly_the_batches_left(source: str, where: str) -> None
     assert first + ids(resumed) == full
 
 
+@pytest.mark.parametrize("source", ["list", "datasets"])
+@pytest.mark.parametrize("where", ["early", "within a round", "after a round", "final round"])
+@pytest.mark.parametrize("packing", ["varlen", "full"])
+def test_packs_resume_mid_epoch_with_exactly_the_packs_left(source: str, where: str, packing: str) -> None:
+    data: Any = {"list": EXAMPLES, "datasets": datasets_source()}[source]
+    settings = {**SETTINGS, "cost": CostModel.attention(512, pad_to_multiple_of=8, packing=packing)}
+    stream = TokenBudgetStream(data, **settings)
+    full, waiting = [], []  # each pack, and how many packs formed wait to be yielded after it
+    for pack in stream:
+        full.append(ids_of(pack))
+        run = stream._run
+        assert run is not None
+        waiting.append(len(run.formed) if run.phase == "stream" else -1)
+    after_round = [step + 1 for step, count in enumerate(waiting) if count == 0]
+    within = [step + 1 for step, count in enumerate(waiting) if count > 1]
+    step = {"early": 1, "within a round": within[len(within) // 2], "after a round": after_round[1]}.get(
+        where, len(full) - 2
+    )
+    stream = TokenBudgetStream(data, **settings)
+    first = ids(itertools.islice(iter(stream), step))
+    state = json.loads(json.dumps(stream.state_dict()))  # plain values, as a checkpoint file holds
+    resumed = TokenBudgetStream(data, **settings)
+    resumed.load_state_dict(state)
+    assert first + ids(resumed) == full
+    padded = TokenBudgetStream(data, **{**settings, "cost": CostModel.attention(512, pad_to_multiple_of=8)})
+    with pytest.raises(ValueError, match="other stream settings"):
+        padded.load_state_dict(state)  # a padded stream does not take a packed one's place
+
+
 def test_a_finished_epoch_resumes_empty_and_the_next_epoch_starts_fresh() -> None:
     stream = TokenBudgetStream(EXAMPLES, **SETTINGS)
     list(stream)

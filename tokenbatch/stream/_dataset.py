@@ -104,13 +104,6 @@ class TokenBudgetStream(IterableDataset[list[Any]]):
         self.cost = CostModel() if cost is None else cost
         if not isinstance(self.cost, CostModel):
             raise TypeError(f"cost should be a tokenbatch.CostModel, but got cost={cost!r}")
-        if self.cost.packing is not None:
-            raise ValueError(
-                f"TokenBudgetStream plans padded batches only, but got cost={self.cost!r} with "
-                f"packing={self.cost.packing!r}; for packs of whole examples use TokenBudgetBatchSampler "
-                f"on a map-style dataset (datasets.Dataset, or the stream written to disk first), or a "
-                f"padded CostModel here"
-            )
         if not (isinstance(length, str) or callable(length)):
             raise TypeError(
                 f"length should be a column name or a function of the example, but got length={length!r}"
@@ -240,9 +233,11 @@ class TokenBudgetStream(IterableDataset[list[Any]]):
 
     def _settings(self) -> dict[str, Any]:
         cost = self.cost
+        terms: list[Any] = [cost.linear, cost.quadratic, cost.per_sample, cost.pad_to_multiple_of]
         return {
             "max_tokens": self._made_with,
-            "cost": [cost.linear, cost.quadratic, cost.per_sample, cost.pad_to_multiple_of],
+            # A padded stream's settings are what they were before packs: its checkpoints resume.
+            "cost": terms if cost.packing is None else [*terms, cost.packing],
             "buffer_size": self.buffer_size,
             "seed": self.seed,
             "oversize": self.oversize,
