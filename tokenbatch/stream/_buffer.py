@@ -17,6 +17,10 @@ it, so the bucket's first examples are as likely to be taken as the rest);
 and from the anchor on, as many examples as fit the budget
 (:func:`tokenbatch.plan.fit_count`). A run that reaches the longest example
 before the budget is full is replaced by the last full run.
+
+With a packed cost the key is the example's own length (only a pack's row is
+rounded up) and nothing is drawn: :meth:`Buffer.form_packs` packs the whole
+buffer at once and takes out the packs that are full.
 """
 
 from __future__ import annotations

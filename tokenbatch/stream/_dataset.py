@@ -37,6 +37,13 @@ class TokenBudgetStream(IterableDataset[list[Any]]):
     packed in as few batches as fit. Buckets' boundaries are estimated from
     the first ``buffer_size`` examples to hold equal cost, or given.
 
+    With a packed ``cost`` (``CostModel(packing="varlen")`` or ``"full"``) each
+    batch is a pack of whole examples for one row (``DataCollatorWithFlattening``)
+    whose ``cost.batch_cost`` stays within ``max_tokens``: a full buffer is
+    packed at once, as the map-style sampler packs an epoch, its full packs
+    yielded before it is read again, its least full packs packed again with
+    the examples read next.
+
     On several ranks each rank reads its own part (every ``num_replicas``-th
     example, or ``split_dataset_by_node`` of a ``datasets.IterableDataset``),
     draws from the same bucket as the others at each step, and every rank
@@ -52,7 +59,8 @@ class TokenBudgetStream(IterableDataset[list[Any]]):
             each call. It is read again every epoch and on a resume, in the
             same order.
         max_tokens: the budget for one batch, in ``cost`` units.
-        cost: the memory estimate; ``CostModel()`` counts padded tokens.
+        cost: the memory estimate; ``CostModel()`` counts padded tokens; with
+            ``packing``, batches are packs.
         length: an example's padded length: a column whose ``len()`` it is
             (token ids), an integer column, or a function of the example.
         buffer_size: examples each reader holds; more means less padding and

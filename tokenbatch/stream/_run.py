@@ -5,6 +5,17 @@ An epoch of a reader has two phases::
     stream:  refill the buffer (when 1/16 of it is gone) -> (agree) -> draw one batch -> yield
     final:   pack what is left (plan_batches) -> agree on a count -> split -> yield them
 
+With a packed cost (``CostModel(packing=...)``) the stream phase forms a
+round of packs at a time, and the final round and the agreement are the same::
+
+    stream:  refill the buffer (once the round before is yielded) -> (agree) -> pack all of it
+             (plan_batches), the least full packs staying in it -> yield the packs, one a step
+             (agreeing before each)
+
+The packs of a round not yet yielded are :attr:`Run.formed`, saved in the
+state like the final round's batches; an OOM re-budget puts them back into
+the buffer, to be packed again under the new budget.
+
 With several ranks each stream step asks the others two things at once
 (one all-reduce of two numbers): has a rank whose part is read out run low
 (below half a buffer), and is any part not read out yet. The final round
