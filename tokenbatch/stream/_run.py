@@ -136,10 +136,11 @@ class Run:
                 self._insert(np.arange(first, self.read), chunk)
         if self.read > start and self.part.kind == "datasets":
             # Pruned as it goes, not only when a state is asked for: an epoch may never be checkpointed.
-            held = self.buffer.positions()
-            self.snapshots.add(
-                self.read, self.part.snapshot(), oldest=int(held.min()) if len(held) else self.read
-            )
+            # The oldest example held: in the buffer's order, or in a packed stream's round not yet
+            # yielded (the final round reads on while that round waits).
+            held = [self.buffer.positions(), *(self.buffer.position[slots] for slots in self.formed)]
+            oldest = min((int(h.min()) for h in held if len(h)), default=self.read)
+            self.snapshots.add(self.read, self.part.snapshot(), oldest=oldest)
 
     def _insert(self, positions: np.ndarray, chunk: list[Any]) -> None:
         # Judged by the budget the stream was made with: an example it admitted stays admitted after an
