@@ -276,6 +276,7 @@ def run_balance(data: Dataset, buffer: int) -> list[dict[str, Any]]:
             rows.append(
                 {
                     "dataset": data.name,
+                    "cost": data.cost_name,
                     "budget": data.budget,
                     "ranks": world,
                     "method": method,
@@ -355,7 +356,8 @@ def markdown(
         "## Padding, steps, memory and speed (medians)\n",
         common.markdown_table(rows, columns, digits=4),
     ]
-    columns = ["dataset", "budget", "ranks", "method", "buffer", "steps", "step_balance", "efficiency"]
+    columns = ["dataset", "cost", "budget", "ranks", "method", "buffer", "steps", "step_balance"]
+    columns.append("efficiency")
     parts += ["", "## Step balance across ranks\n", common.markdown_table(balance, columns, digits=4)]
     return "\n".join(parts)
 
