@@ -201,3 +201,41 @@ def test_lr_scaling_counts_a_packs_examples_and_tokens() -> None:
         scaling.count(pack)  # one row, no attention_mask: its examples and their tokens
         scaling.count({"attention_mask": torch.ones(2, 4, dtype=torch.long)})  # 2 padded rows, 8 tokens
         assert scaling._count == expected + (2 if by == "samples" else 8)
+
+
+def test_an_iterable_train_set_is_packed_by_a_stream(
+    emotion_data_dir: Path, minilm_path: str, tmp_path: Path
+) -> None:
+    # An iterable train set under the flattening collator: the trainer's stream yields packs, costed
+    # as packs (eager attention: the whole row), each example once in an epoch.
+    import dataclasses
+
+    import datasets
+    import transformers
+
+    from tokenbatch import TokenBudgetStream
+    from tokenbatch.integrations.transformers import TokenBudgetTrainer
+
+    transformers.logging.set_verbosity_error()
+    datasets.disable_progress_bar()
+    tok = tc.tokenizer(minilm_path, tc.texts(emotion_data_dir, COUNT))
+    data = texts(emotion_data_dir, tok)
+    lengths = [len(ids) for ids in data["input_ids"]]
+    model = tc.tiny_llama(len(tok))
+    record = tc.recorder(tc.add_marks(model, COUNT))
+    trainer = TokenBudgetTrainer(
+        model=model,
+        args=dataclasses.replace(arguments(tmp_path), max_steps=3),
+        train_dataset=data.to_iterable_dataset(),
+        callbacks=[record],
+        data_collator=flattening_with_idx(),
+        max_tokens=MAX_TOKENS,
+    )
+    trainer.train()
+    stream = trainer.train_sampler
+    assert isinstance(stream, TokenBudgetStream) and stream.cost.packing == "full"
+    assert trainer.state.global_step == len(record.steps) == 3
+    seen = [i for step in record.steps for i in step]
+    assert len(seen) == len(set(seen)) and len(seen) > 3  # packs of several examples, none twice
+    for step in record.steps:
+        assert stream.cost.batch_cost([lengths[i] for i in step]) <= MAX_TOKENS

@@ -444,7 +444,50 @@ def test_the_guard_refuses_a_dataloader_that_batches_the_streams_batches_again()
     assert next(iter(fallback.iterate(DataLoader(stream, batch_size=None, collate_fn=list))))
 
 
-def test_a_packed_cost_is_refused_with_the_map_style_sampler_named() -> None:
-    # The stream's batches are padded; a whole-row (full) packed cost could exceed the budget with them.
-    with pytest.raises(ValueError, match=r"packing='full'.*TokenBudgetBatchSampler"):
-        TokenBudgetStream([{"length": 3}], 64, cost=CostModel(packing="full"), length="length")
+@pytest.mark.parametrize(
+    ("median", "top", "budget"),
+    [(20, 87, 2048), (230, 3127, 8192)],  # emotion-like tweets; IMDB-like reviews, 15% over 512
+)
+def test_packs_fill_the_budget_from_a_large_buffer(median: int, top: int, budget: int) -> None:
+    lengths = long_tailed(40_000, seed=8, median=median, top=top)
+    cost = CostModel(packing="varlen")  # a pack costs its tokens
+    stream = TokenBudgetStream(
+        make_examples(lengths), budget, cost=cost, length="length", buffer_size=10_000, seed=3
+    )
+    packs = list(stream)
+    assert every_index_once(ids(packs), len(lengths))
+    tokens = np.array([sum(e["length"] for e in pack) for pack in packs])
+    assert tokens.max() <= budget
+    assert tokens.mean() / budget >= 0.97
+    # A quarter of the data at a time packs about as tightly as the map-style sampler, which sees it all.
+    assert len(packs) <= 1.01 * len(TokenBudgetBatchSampler(lengths, budget, cost=cost))
+
+
+@pytest.mark.parametrize("budget", [2641.0, 4099.5, 16384.0])
+def test_whole_row_packs_never_exceed_the_budget(budget: float) -> None:
+    # Scores over the whole row: a pack of n examples costs (its row)**2 where padded rows would cost
+    # n * longest**2, so a pack planned as padded rows could cost several times the budget.
+    lengths = long_tailed(6000, seed=9, median=60, top=700)
+    cost = CostModel.attention(256, pad_to_multiple_of=8, packing="full")
+    assert cost.batch_cost([700]) <= budget  # the longest fits alone, just, at the smallest budget
+    stream = TokenBudgetStream(lengths.tolist(), budget, cost=cost, length=int, buffer_size=1000, seed=1)
+    packs = list(stream)
+    assert sorted(n for pack in packs for n in pack) == sorted(lengths.tolist())
+    costs = np.array([cost.batch_cost(pack) for pack in packs])
+    assert costs.max() <= budget
+    assert max(len(pack) for pack in packs) > 1 and costs.mean() / budget > 0.9
+
+
+def test_packs_come_in_rounds_of_one_buffer() -> None:
+    lengths = long_tailed(3000, seed=2)
+    stream = TokenBudgetStream(
+        make_examples(lengths), 1024, cost=CostModel(packing="varlen"), length="length", buffer_size=400
+    )
+    held = []
+    for _ in stream:
+        run = stream._run
+        assert run is not None
+        held.append(len(run.buffer) + sum(len(slots) for slots in run.formed))
+        if run.phase == "stream":  # packs formed, and the examples they wait with, are one buffer
+            assert held[-1] <= 400
+    assert run.read == len(lengths) and run.phase == "done"

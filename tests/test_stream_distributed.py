@@ -13,7 +13,7 @@ from tokenbatch import TokenBudgetStream
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
 from stream_common import ids, run_readers
-from stream_distributed import SETTINGS, N, examples
+from stream_distributed import PACKED, SETTINGS, N, examples
 
 sys.path.pop(0)
 
@@ -59,6 +59,19 @@ def test_real_processes_end_together_and_train_each_example_once(
 
     # A resume after 7 steps on every rank: exactly the uninterrupted epoch.
     assert [r["resumed"] for r in reports] == [r["epochs"][0] for r in reports]
+
+    # Packs: equal steps, every example once, the simulation's packs; a resume yields the rest.
+    packed = [r["packed"] for r in reports]
+    assert len({len(packs) for packs in packed}) == 1
+    assert sorted(i for packs in packed for p in packs for i in p) == list(range(N))
+
+    def make_packed(rank: int, lane: int, agree: Any) -> TokenBudgetStream:
+        settings = {**SETTINGS, "cost": PACKED}
+        return TokenBudgetStream(examples(), **settings, num_replicas=world, rank=rank, agree=agree)
+
+    simulated, _ = run_readers(make_packed, world)
+    assert packed == [ids(lanes[0]) for lanes in simulated]
+    assert [r["packed_resumed"] for r in reports] == packed
 
     # Under accelerate (model and optimizer prepared, the stream's DataLoader not): DDP
     # steps interleave with the stream's agreement; a per-rank state file resumes exactly.

@@ -13,6 +13,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -90,6 +91,52 @@ def test_each_example_trained_once_after_real_ooms(mode: str) -> None:
     else:  # split leaves the stream's budget alone: its batches are micro-batched
         assert stream.max_tokens == 256
         assert max(cost for cost, _ in costs) > 100
+
+
+class TinyPacks(torch.nn.Module):
+    """Embedding and linear over one flattened row; each example's first token is its own marker."""
+
+    def __init__(self, vocab: int) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Embedding(vocab, 8)
+        self.head = torch.nn.Linear(8, vocab)
+        self.trained: list[int] = []  # the markers of every pack whose forward ran (no injected OOM)
+
+    def forward(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, labels: torch.Tensor, **_: Any
+    ) -> Any:
+        self.trained += input_ids[position_ids == 0].tolist()
+        logits = self.head(self.embed(input_ids))[0, :-1]
+        return torch.nn.functional.cross_entropy(logits, labels[0, 1:], ignore_index=-100)
+
+
+@pytest.mark.parametrize("packing", ["varlen", "full"])
+def test_halve_forms_the_packs_left_under_the_new_budget(packing: str) -> None:
+    from transformers import DataCollatorWithFlattening
+
+    vocab = 64
+    rows = [{"input_ids": [vocab + r["idx"], *r["input_ids"][1:]]} for r in ROWS]
+    cost = CostModel.attention(64, packing=packing)
+    stream = TokenBudgetStream(rows, max_tokens=400, cost=cost, buffer_size=128, seed=1)
+    model = TinyPacks(vocab + len(rows))
+    fallback = OOMFallback(stream, model, mode="halve")
+    flatten = DataCollatorWithFlattening()
+    budgets, costs = [], []
+    with inject_oom(model, max_tokens=150, cost=stream):
+        for batch in fallback.iterate(DataLoader(stream, batch_size=None, collate_fn=flatten)):
+            starts = torch.nonzero(batch["position_ids"][0] == 0).flatten().tolist()
+            costs.append(cost.batch_cost(np.diff([*starts, batch["input_ids"].shape[1]])))
+            budgets.append(stream.max_tokens)
+            assert fallback.backward(batch, lambda b: model(**b)) is not None
+    assert Counter(model.trained) == Counter(vocab + i for i in range(len(rows)))
+    first = fallback.events[0].step
+    assert fallback.max_tokens <= 150 and stream.max_tokens == fallback.max_tokens
+    # The round of packs formed under 400 went back to the buffer: every pack after an event is formed
+    # under the budget it set (those of the round before would cost up to 400).
+    assert costs[first] > 200 and len(costs) > first + 1
+    assert all(cost <= budget for cost, budget in zip(costs[first + 1 :], budgets[first + 1 :], strict=True))
+    assert max(costs[fallback.events[-1].step + 1 :]) <= fallback.max_tokens
 
 
 def test_halve_reaches_dataloader_workers() -> None:

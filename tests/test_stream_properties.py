@@ -6,6 +6,8 @@ For every case: each example read is yielded exactly once or counted (left out,
 skipped); every batch fits the budget (or is one example too large alone);
 every rank yields the same number of batches; the batches are a function of
 (seed, epoch); and a resume from any step yields exactly the batches left.
+The same holds of packs (a packed ``CostModel``: whole examples in one row,
+each pack costed as a pack), on 1 and 2 ranks.
 """
 
 from __future__ import annotations
@@ -27,13 +29,19 @@ from stream_common import fake_worker_info, ids, make_examples, run_readers
 sys.path.pop(0)
 
 COSTS = [CostModel(), CostModel(quadratic=1 / 64), CostModel(pad_to_multiple_of=8)]
+PACKED = [
+    CostModel(packing="varlen"),
+    CostModel(quadratic=1 / 64, pad_to_multiple_of=8, packing="varlen"),
+    CostModel(quadratic=1 / 64, packing="full"),
+    CostModel.attention(48, pad_to_multiple_of=8, packing="full"),
+]
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 @st.composite
-def cases(draw: st.DrawFn) -> dict[str, Any]:
+def cases(draw: st.DrawFn, packed: bool = False) -> dict[str, Any]:
     lengths = draw(st.lists(st.integers(1, 120), max_size=600))
-    world = draw(st.integers(1, 8))
+    world = draw(st.integers(1, 2) if packed else st.integers(1, 8))
     uneven = draw(st.booleans())
     case = {
         "lengths": lengths,
@@ -43,7 +51,7 @@ def cases(draw: st.DrawFn) -> dict[str, Any]:
         "workers": 0 if uneven else draw(st.integers(0, 3)),
         "buffer_size": draw(st.integers(1, 96)),
         "max_tokens": draw(st.sampled_from([60, 150, 400, 2000])),
-        "cost": draw(st.sampled_from(range(len(COSTS)))),
+        "cost": draw(st.sampled_from(PACKED if packed else COSTS)),
         "oversize": draw(st.sampled_from(["alone", "skip"])),
         "buckets": draw(st.sampled_from([1, 4, 16])),
         "seed": draw(st.integers(0, 3)),
@@ -82,7 +90,7 @@ def maker(case: dict[str, Any], data: Any) -> Any:
         stream = TokenBudgetStream(
             data,
             case["max_tokens"],
-            cost=COSTS[case["cost"]],
+            cost=case["cost"],
             length="length",
             buffer_size=case["buffer_size"],
             seed=case["seed"],
@@ -104,16 +112,19 @@ def run(case: dict[str, Any], data: Any, **kwargs: Any) -> tuple[list[list[Any]]
 
 
 def check_batches(case: dict[str, Any], batches: list[list[list[Any]]], streams: list[list[Any]]) -> None:
-    cost, budget = COSTS[case["cost"]], case["max_tokens"]
+    cost, budget = case["cost"], case["max_tokens"]
     yielded = [e["i"] for rank in batches for lane in rank for batch in lane for e in batch]
     assert len(yielded) == len(set(yielded)), "an example was yielded twice"
+    examples = make_examples(case["lengths"])
     for rank in batches:
         for lane in rank:
             for batch in lane:
                 assert batch, "an empty batch"
-                longest = max(e["length"] for e in batch)
-                assert cost.cost(len(batch), longest) <= budget or len(batch) == 1
-                if len(batch) == 1 and cost.cost(1, longest) > budget:
+                assert all(e == examples[e["i"]] for e in batch), "an example not as it was read"
+                # Padded: rows x the longest; packed: the pack's row and attention, as the cost model says.
+                spent = cost.batch_cost([e["length"] for e in batch])
+                assert spent <= budget or len(batch) == 1
+                if len(batch) == 1 and spent > budget:
                     assert case["oversize"] == "alone"
     # Every rank yields the same number of batches: worker w of each rank as many as the others'.
     for lane in range(len(batches[0])):
@@ -129,9 +140,7 @@ def check_batches(case: dict[str, Any], batches: list[list[list[Any]]], streams:
         assert not any(r.skipped for r in runs)
 
 
-@SETTINGS
-@given(cases())
-def test_exactly_once_within_budget_equal_counts(case: dict[str, Any]) -> None:
+def exactly_once_within_budget_equal_counts(case: dict[str, Any]) -> None:
     data = source(case)
     batches, streams = run(case, data)
     check_batches(case, batches, streams)
@@ -141,9 +150,7 @@ def test_exactly_once_within_budget_equal_counts(case: dict[str, Any]) -> None:
     ]
 
 
-@SETTINGS
-@given(cases(), st.integers(0, 30))
-def test_resume_from_any_step_yields_exactly_the_batches_left(case: dict[str, Any], step: int) -> None:
+def resume_from_any_step_yields_exactly_the_batches_left(case: dict[str, Any], step: int) -> None:
     data = source(case)
     full, _ = run(case, data)
     first, streams = run(case, data, take=step)
@@ -161,3 +168,27 @@ def test_resume_from_any_step_yields_exactly_the_batches_left(case: dict[str, An
     for rank in range(case["world"]):
         for lane in range(len(full[rank])):
             assert ids(first[rank][lane]) + ids(rest[rank][lane]) == ids(full[rank][lane])
+
+
+@SETTINGS
+@given(cases())
+def test_exactly_once_within_budget_equal_counts(case: dict[str, Any]) -> None:
+    exactly_once_within_budget_equal_counts(case)
+
+
+@SETTINGS
+@given(cases(packed=True))
+def test_packs_hold_whole_examples_exactly_once_within_budget_equal_counts(case: dict[str, Any]) -> None:
+    exactly_once_within_budget_equal_counts(case)
+
+
+@SETTINGS
+@given(cases(), st.integers(0, 30))
+def test_resume_from_any_step_yields_exactly_the_batches_left(case: dict[str, Any], step: int) -> None:
+    resume_from_any_step_yields_exactly_the_batches_left(case, step)
+
+
+@SETTINGS
+@given(cases(packed=True), st.integers(0, 30))
+def test_packs_resume_from_any_step_with_exactly_the_packs_left(case: dict[str, Any], step: int) -> None:
+    resume_from_any_step_yields_exactly_the_batches_left(case, step)

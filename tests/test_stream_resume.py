@@ -11,6 +11,7 @@ from types import SimpleNamespace
 from typing import Any
 from unittest import mock
 
+import numpy as np
 import pytest
 import torch
 from torchdata.stateful_dataloader import StatefulDataLoader
@@ -64,6 +65,35 @@ def test_resume_yields_exactly_the_batches_left(source: str, where: str) -> None
     resumed.load_state_dict(state)
     assert resumed.state_dict() == state  # a saved state survives until the pass starts
     assert first + ids(resumed) == full
+
+
+@pytest.mark.parametrize("source", ["list", "datasets"])
+@pytest.mark.parametrize("where", ["early", "within a round", "after a round", "final round"])
+@pytest.mark.parametrize("packing", ["varlen", "full"])
+def test_packs_resume_mid_epoch_with_exactly_the_packs_left(source: str, where: str, packing: str) -> None:
+    data: Any = {"list": EXAMPLES, "datasets": datasets_source()}[source]
+    settings = {**SETTINGS, "cost": CostModel.attention(512, pad_to_multiple_of=8, packing=packing)}
+    stream = TokenBudgetStream(data, **settings)
+    full, waiting = [], []  # each pack, and how many packs formed wait to be yielded after it
+    for pack in stream:
+        full.append(ids_of(pack))
+        run = stream._run
+        assert run is not None
+        waiting.append(len(run.formed) if run.phase == "stream" else -1)
+    after_round = [step + 1 for step, count in enumerate(waiting) if count == 0]
+    within = [step + 1 for step, count in enumerate(waiting) if count > 1]
+    step = {"early": 1, "within a round": within[len(within) // 2], "after a round": after_round[1]}.get(
+        where, len(full) - 2
+    )
+    stream = TokenBudgetStream(data, **settings)
+    first = ids(itertools.islice(iter(stream), step))
+    state = json.loads(json.dumps(stream.state_dict()))  # plain values, as a checkpoint file holds
+    resumed = TokenBudgetStream(data, **settings)
+    resumed.load_state_dict(state)
+    assert first + ids(resumed) == full
+    padded = TokenBudgetStream(data, **{**settings, "cost": CostModel.attention(512, pad_to_multiple_of=8)})
+    with pytest.raises(ValueError, match="other stream settings"):
+        padded.load_state_dict(state)  # a padded stream does not take a packed one's place
 
 
 def test_a_finished_epoch_resumes_empty_and_the_next_epoch_starts_fresh() -> None:
@@ -281,3 +311,45 @@ def test_a_shorter_list_is_refused() -> None:
         rf"{state['run']['read']} examples were read; resume with the same examples in the same order",
     ):
         list(shorter)
+
+
+def test_a_packed_final_round_resumes_from_a_snapshot_not_from_the_start() -> None:
+    # Rank 0's part is shorter: the final round starts while rank 1 still reads and a round of its
+    # packs, formed from older examples, waits; the source snapshots it keeps must still reach them.
+    import datasets
+
+    data = make_examples(long_tailed(5000, seed=3))
+    sizes = [1000, 1500, 1000, 1500]  # split_dataset_by_node gives rank r the shards r and r + 2
+    starts = np.cumsum([0, *sizes]).tolist()
+    pieces = [data[a:b] for a, b in itertools.pairwise(starts)]
+
+    def generate(pieces: list[list[dict[str, int]]]) -> Any:
+        for piece in pieces:
+            yield from piece
+
+    source = datasets.IterableDataset.from_generator(generate, gen_kwargs={"pieces": pieces})
+    settings = {**SETTINGS, "buffer_size": 128, "cost": CostModel(packing="varlen")}
+
+    def make(rank: int, lane: int, agree: Any) -> TokenBudgetStream:
+        return TokenBudgetStream(source, **settings, num_replicas=2, rank=rank, agree=agree)
+
+    full, _ = run_readers(make, 2)
+    for step in range(len(full[1][0]) - 16, len(full[1][0])):
+        first, streams = run_readers(make, 2, take=step)
+        states = [json.loads(json.dumps(rank[0].state_dict())) for rank in streams]
+        run = states[1]["run"]
+        oldest = min(p for batch in [run["pending"], *run["final"]] for p in batch)
+        # A resume re-reads from a snapshot less than a buffer before the oldest example held.
+        assert oldest - settings["buffer_size"] < run["source_position"] <= oldest
+        if run["phase"] == "final":
+            break
+    assert run["phase"] == "final" and not run["exhausted"]
+
+    def resumed(rank: int, lane: int, agree: Any) -> TokenBudgetStream:
+        stream = make(rank, lane, agree)
+        stream.load_state_dict(states[rank])
+        return stream
+
+    rest, _ = run_readers(resumed, 2)
+    for rank in range(2):
+        assert ids(first[rank][0]) + ids(rest[rank][0]) == ids(full[rank][0])

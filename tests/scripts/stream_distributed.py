@@ -31,6 +31,8 @@ SETTINGS: dict[str, Any] = {
     "seed": 5,
 }
 
+PACKED = CostModel.attention(512, packing="full")  # packs: scores over the whole row
+
 
 def lengths(n: int, seed: int) -> list[int]:
     values = np.random.default_rng(seed).lognormal(np.log(40), 0.9, n)
@@ -141,6 +143,15 @@ def main(out: str) -> None:
     resumed = TokenBudgetStream(examples(), **SETTINGS)
     resumed.load_state_dict(state)
     report["resumed"] = first + train(resumed)
+
+    # Packs (a whole-row packed cost): one epoch, and a resume after 7 steps.
+    packed = {**SETTINGS, "cost": PACKED}
+    report["packed"] = train(TokenBudgetStream(examples(), **packed))
+    stream = TokenBudgetStream(examples(), **packed)
+    first = train(stream, limit=7)
+    resumed = TokenBudgetStream(examples(), **packed)
+    resumed.load_state_dict(json.loads(json.dumps(stream.state_dict())))
+    report["packed_resumed"] = first + train(resumed)
 
     report["accelerate"] = with_accelerate(Path(out))
 

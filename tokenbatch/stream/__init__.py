@@ -4,8 +4,9 @@ For data whose lengths are not known up front (``datasets`` streaming, a
 function that returns a new generator each epoch, webdataset shards).
 Memory stays O(``buffer_size``): each reader (a rank, or a DataLoader
 worker of it) holds that many examples in length order and draws batches
-from them; on several ranks the readers agree at each step, so that every
-rank yields the same number of batches.
+from them (with a packed ``CostModel``: packs of whole examples, a full
+buffer packed at once); on several ranks the readers agree at each step, so
+that every rank yields the same number of batches.
 
 Inside the package:
 

@@ -17,6 +17,10 @@ it, so the bucket's first examples are as likely to be taken as the rest);
 and from the anchor on, as many examples as fit the budget
 (:func:`tokenbatch.plan.fit_count`). A run that reaches the longest example
 before the budget is full is replaced by the last full run.
+
+With a packed cost the key is the example's own length (only a pack's row is
+rounded up) and nothing is drawn: :meth:`Buffer.form_packs` packs the whole
+buffer at once and takes out the packs that are full.
 """
 
 from __future__ import annotations
@@ -27,8 +31,11 @@ from typing import Any
 
 import numpy as np
 
+from tokenbatch.cost import CostModel
 from tokenbatch.plan import fit_count, plan_batches
 
+FULL = 0.99
+"""A pack costing at least this share of the budget is full: a packed stream yields it without waiting."""
 _LOW = 32  # bits of the key below the padded length, holding the tie-break
 _MIX = np.uint64(0x9E3779B97F4A7C15)
 
@@ -218,8 +225,8 @@ class Buffer:
         self.items[slots] = None
         self._free = np.concatenate([self._free, slots])
 
-    def plan_rest(self, rng: np.random.Generator) -> list[np.ndarray]:
-        """Everything buffered, packed in as few batches as the budget allows (``plan_batches``).
+    def plan_rest(self, rng: np.random.Generator, cost: CostModel | None = None) -> list[np.ndarray]:
+        """Everything buffered, in as few batches (or packs) as the budget allows (``plan_batches``).
 
         Returns each batch's slots; the buffer's order is emptied, the
         examples stay in their slots until :meth:`take_slots`.
@@ -231,9 +238,40 @@ class Buffer:
         padded, unit, slot = self.padded(), self.unit, self.slot
         self.key, self.unit, self.slot = self.key[:0], self.unit[:0], self.slot[:0]
         self._bucket_cost[:] = 0
-        plan = plan_batches(np.arange(len(slot)), padded, unit, self.budget, rng=rng, oversize="alone")
+        plan = plan_batches(
+            np.arange(len(slot)), padded, unit, self.budget, rng=rng, oversize="alone", cost=cost
+        )
         del padded, unit
         return [slot[np.sort(plan.batch(b))] for b in range(plan.num_batches)]
+
+    def form_packs(self, rng: np.random.Generator, cost: CostModel, keep: int) -> list[np.ndarray]:
+        """Packs of everything buffered (``plan_batches`` with a packed ``cost``), the full ones taken out.
+
+        The least full packs (below :data:`FULL` of the budget, never the
+        fullest one, and at most ``keep`` examples in all) stay in the order,
+        to be packed again with the examples read next: first fit decreasing
+        leaves its last packs part full, and a larger choice fills them. The
+        others are removed from the order and returned as slots, in the
+        planner's order of steps.
+        """
+        if not len(self):
+            return []
+        lengths = self.padded()  # a packed cost's keys are the examples' own lengths
+        plan = plan_batches(
+            np.arange(len(lengths)), lengths, self.unit, self.budget, rng=rng, oversize="alone", cost=cost
+        )
+        fill, sizes = plan.batch_costs(lengths, cost) / self.budget, plan.batch_sizes()
+        least_full = np.argsort(fill, kind="stable")[:-1]  # never the fullest: a round yields a pack
+        waiting = least_full[(fill[least_full] < FULL) & (np.cumsum(sizes[least_full]) <= keep)]
+        kept = np.zeros(plan.num_batches, bool)
+        kept[waiting] = True
+        stay = np.empty(len(lengths), bool)
+        stay[plan.order] = np.repeat(kept, sizes)
+        packs = [self.slot[np.sort(plan.batch(b))] for b in np.flatnonzero(~kept).tolist()]
+        gone = ~stay
+        self._bucket_cost -= self._by_bucket(self.key[gone], self.unit[gone])
+        self.key, self.unit, self.slot = self.key[stay], self.unit[stay], self.slot[stay]
+        return packs
 
     def take_slots(self, slots: np.ndarray) -> list[Any]:
         examples: list[Any] = self.items[slots].tolist()

@@ -37,6 +37,13 @@ class TokenBudgetStream(IterableDataset[list[Any]]):
     packed in as few batches as fit. Buckets' boundaries are estimated from
     the first ``buffer_size`` examples to hold equal cost, or given.
 
+    With a packed ``cost`` (``CostModel(packing="varlen")`` or ``"full"``) each
+    batch is a pack of whole examples for one row (``DataCollatorWithFlattening``)
+    whose ``cost.batch_cost`` stays within ``max_tokens``: a full buffer is
+    packed at once, as the map-style sampler packs an epoch, its full packs
+    yielded before it is read again, its least full packs packed again with
+    the examples read next.
+
     On several ranks each rank reads its own part (every ``num_replicas``-th
     example, or ``split_dataset_by_node`` of a ``datasets.IterableDataset``),
     draws from the same bucket as the others at each step, and every rank
@@ -52,7 +59,8 @@ class TokenBudgetStream(IterableDataset[list[Any]]):
             each call. It is read again every epoch and on a resume, in the
             same order.
         max_tokens: the budget for one batch, in ``cost`` units.
-        cost: the memory estimate; ``CostModel()`` counts padded tokens.
+        cost: the memory estimate; ``CostModel()`` counts padded tokens; with
+            ``packing``, batches are packs.
         length: an example's padded length: a column whose ``len()`` it is
             (token ids), an integer column, or a function of the example.
         buffer_size: examples each reader holds; more means less padding and
@@ -104,13 +112,6 @@ class TokenBudgetStream(IterableDataset[list[Any]]):
         self.cost = CostModel() if cost is None else cost
         if not isinstance(self.cost, CostModel):
             raise TypeError(f"cost should be a tokenbatch.CostModel, but got cost={cost!r}")
-        if self.cost.packing is not None:
-            raise ValueError(
-                f"TokenBudgetStream plans padded batches only, but got cost={self.cost!r} with "
-                f"packing={self.cost.packing!r}; for packs of whole examples use TokenBudgetBatchSampler "
-                f"on a map-style dataset (datasets.Dataset, or the stream written to disk first), or a "
-                f"padded CostModel here"
-            )
         if not (isinstance(length, str) or callable(length)):
             raise TypeError(
                 f"length should be a column name or a function of the example, but got length={length!r}"
@@ -240,9 +241,11 @@ class TokenBudgetStream(IterableDataset[list[Any]]):
 
     def _settings(self) -> dict[str, Any]:
         cost = self.cost
+        terms: list[Any] = [cost.linear, cost.quadratic, cost.per_sample, cost.pad_to_multiple_of]
         return {
             "max_tokens": self._made_with,
-            "cost": [cost.linear, cost.quadratic, cost.per_sample, cost.pad_to_multiple_of],
+            # A padded stream's settings are what they were before packs: its checkpoints resume.
+            "cost": terms if cost.packing is None else [*terms, cost.packing],
             "buffer_size": self.buffer_size,
             "seed": self.seed,
             "oversize": self.oversize,

@@ -5,6 +5,17 @@ An epoch of a reader has two phases::
     stream:  refill the buffer (when 1/16 of it is gone) -> (agree) -> draw one batch -> yield
     final:   pack what is left (plan_batches) -> agree on a count -> split -> yield them
 
+With a packed cost (``CostModel(packing=...)``) the stream phase forms a
+round of packs at a time, and the final round and the agreement are the same::
+
+    stream:  refill the buffer (once the round before is yielded) -> (agree) -> pack all of it
+             (plan_batches), the least full packs staying in it -> yield the packs, one a step
+             (agreeing before each)
+
+The packs of a round not yet yielded are :attr:`Run.formed`, saved in the
+state like the final round's batches; an OOM re-budget puts them back into
+the buffer, to be packed again under the new budget.
+
 With several ranks each stream step asks the others two things at once
 (one all-reduce of two numbers): has a rank whose part is read out run low
 (below half a buffer), and is any part not read out yet. The final round
@@ -94,7 +105,8 @@ class Run:
         self.salt = int(np.random.default_rng([seed, epoch, *who, 3]).integers(2**62))
         self.buffer = Buffer(self.budget(), np.empty(0, np.int64))
         self.snapshots = Snapshots()
-        self.final: deque[np.ndarray] = deque()  # the final round's batches still to yield, as slots
+        # Batches formed, not yet yielded, as slots: the final round's, or a packed stream's round of packs.
+        self.formed: deque[np.ndarray] = deque()
         self.phase, self.read, self.exhausted = "start", 0, False
         self.yielded = self.skipped = self.left_out = 0
         self._iter: Iterator[Any] = iter(())
@@ -124,16 +136,19 @@ class Run:
                 self._insert(np.arange(first, self.read), chunk)
         if self.read > start and self.part.kind == "datasets":
             # Pruned as it goes, not only when a state is asked for: an epoch may never be checkpointed.
-            held = self.buffer.positions()
-            self.snapshots.add(
-                self.read, self.part.snapshot(), oldest=int(held.min()) if len(held) else self.read
-            )
+            # The oldest example held: in the buffer's order, or in a packed stream's round not yet
+            # yielded (the final round reads on while that round waits).
+            held = [self.buffer.positions(), *(self.buffer.position[slots] for slots in self.formed)]
+            oldest = min((int(h.min()) for h in held if len(h)), default=self.read)
+            self.snapshots.add(self.read, self.part.snapshot(), oldest=oldest)
 
     def _insert(self, positions: np.ndarray, chunk: list[Any]) -> None:
         # Judged by the budget the stream was made with: an example it admitted stays admitted after an
         # OOM re-budget (drawn alone if it is over the new one), as the map-style sampler keeps it.
         cost, budget = self.settings.cost, self.settings.budget
-        padded = np.asarray(cost.padded_length(self.settings.lengths(chunk, int(positions[0]))), np.int64)
+        lengths = self.settings.lengths(chunk, int(positions[0]))
+        # Packs are ordered by the examples' own lengths: only a pack's row is rounded up.
+        padded = np.asarray(lengths if cost.packing is not None else cost.padded_length(lengths), np.int64)
         unit = cost.sample_cost(padded)
         over = unit > budget
         if over.any() and self.settings.oversize != "alone":
@@ -176,20 +191,28 @@ class Run:
         # Refill in chunks of a sixteenth of the buffer, not after every batch: merging new
         # examples into the length order costs O(buffer_size) however few they are.
         refill = self.settings.buffer_size - max(1, self.settings.buffer_size // 16)
+        packed = self.settings.cost.packing is not None
         while self.phase == "stream":
-            if len(self.buffer) <= refill:
+            # Packs are formed a round at a time from a full buffer, and the buffer is read again
+            # only when that round is yielded: what it holds and the packs formed stay one buffer.
+            if not self.formed if packed else len(self.buffer) <= refill:
                 self._fill()
             if self._final_now():
                 self._follow_budget()
                 self._begin_final()
                 break
             self._follow_budget()
-            start, stop = self.buffer.draw(self.shared.random(), self.local.random(2).tolist())
-            batch = self.buffer.take(start, stop)
+            if packed:
+                if not self.formed:
+                    self._form_packs()
+                batch = self.buffer.take_slots(self.formed.popleft())
+            else:
+                start, stop = self.buffer.draw(self.shared.random(), self.local.random(2).tolist())
+                batch = self.buffer.take(start, stop)
             self.yielded += 1
             yield batch  # the state already excludes this batch: a checkpoint taken now resumes after it
-        while self.final:
-            batch = self.buffer.take_slots(self.final.popleft())
+        while self.formed:
+            batch = self.buffer.take_slots(self.formed.popleft())
             self.yielded += 1
             yield batch
         if self.phase != "done":
@@ -200,11 +223,26 @@ class Run:
         budget = self.budget()
         if budget != self.buffer.budget:  # what the buffer holds is drawn afresh under it
             self.buffer.set_budget(budget)
+            if self.formed:  # so are the packs formed under the budget before: back into the buffer
+                slots = np.concatenate(list(self.formed))
+                self.formed.clear()
+                positions = self.buffer.position[slots]
+                order = np.argsort(positions, kind="stable")  # in the order read, as a resume inserts them
+                examples = self.buffer.take_slots(slots[order])
+                self._insert(positions[order], examples)
+
+    def _form_packs(self) -> None:
+        """A round of packs from the buffer; the least full packs' examples wait for the next round."""
+        keep = self.settings.buffer_size // 4
+        self.formed.extend(self.buffer.form_packs(self.local, self.settings.cost, keep))
+
+    def _held(self) -> int:
+        return len(self.buffer) + sum(len(slots) for slots in self.formed)
 
     def _final_now(self) -> bool:
         if self.agree is None:
             return self.exhausted
-        low = self.exhausted and len(self.buffer) < self.settings.buffer_size / 2
+        low = self.exhausted and self._held() < self.settings.buffer_size / 2
         anyone_low, anyone_reading = self.agree([float(low), 0.0 if self.exhausted else 1.0])
         return anyone_low > 0 or anyone_reading == 0
 
@@ -214,15 +252,17 @@ class Run:
             # Parts of equal size (+-1 example) end within a few batches of each other: read what is
             # left of this one into the final round, up to one more buffer (memory stays bounded).
             self._read(self.settings.buffer_size)
-        held = len(self.buffer)
-        plan = self.buffer.plan_rest(rng)
+        held = self._held()
+        # A packed stream's round of packs formed before comes first, as it would have.
+        plan = [*self.formed, *self.buffer.plan_rest(rng, self.settings.cost)]
+        self.formed.clear()
         count = len(plan)
         if self.agree is not None:
             most, fewest_held = self.agree([float(len(plan)), -float(held)])
             count = int(min(most, -fewest_held))
         if count > len(plan):
             plan = split_to(plan, count)
-        self.final = deque(plan[:count])
+        self.formed = deque(plan[:count])
         for slots in plan[count:]:
             self.buffer.release(slots)
             self.left_out += len(slots)
@@ -264,7 +304,7 @@ class Run:
     def state(self) -> dict[str, Any]:
         """Where this reader is: a resume yields exactly the batches this pass would yield next."""
         pending = self.buffer.positions().tolist()
-        final = [self.buffer.position[slots].tolist() for slots in self.final]
+        final = [self.buffer.position[slots].tolist() for slots in self.formed]
         oldest = min(itertools.chain(pending, *final), default=self.read)
         source_position, source_state = self.snapshots.before(oldest)
         return {
@@ -298,7 +338,7 @@ class Run:
         if pending:
             self._insert(np.asarray(pending, np.int64), [found[p] for p in pending])
         for batch in final:
-            self.final.append(self.buffer.hold(np.asarray(batch, np.int64), [found[p] for p in batch]))
+            self.formed.append(self.buffer.hold(np.asarray(batch, np.int64), [found[p] for p in batch]))
 
     def _reread(self, wanted: list[int], state: dict[str, Any]) -> dict[int, Any]:
         """The examples at ``wanted``, with the part's iterator left at :attr:`read`."""
