@@ -76,6 +76,7 @@ import torch
 
 from tokenbatch import _checks
 from tokenbatch.cost import CostModel
+from tokenbatch.probe._calibrate import calibrate
 
 FUSED_ATTENTION = ("sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
 ATTENTION_IMPLEMENTATIONS = ("eager", *FUSED_ATTENTION)
@@ -273,7 +274,7 @@ class MemoryModel:
         kv = int(_get(config, "num_key_value_heads", default=a))
         vocab = int(_get(config, "vocab_size", default=0))
         p_att = _dropout(config, "attention_probs_dropout_prob", "attn_pdrop", "attention_dropout")
-        p_hid = _dropout(config, "hidden_dropout_prob", "resid_pdrop", "hidden_dropout")
+        p_hid = _dropout(config, "hidden_dropout_prob", "resid_pdrop", "hidden_dropout", "dropout")
         gated = getattr(config, "model_type", "") in _GATED_MODEL_TYPES
         activation = _get(config, "activation_function", "hidden_act", default="")
         e = torch.empty((), dtype=torch.float32 if dtype is None else dtype).element_size()
@@ -282,8 +283,34 @@ class MemoryModel:
             attn_implementation, device=device, training=training, attention_dropout=p_att
         )
         kv_width = h * kv // a
+        # A causal LM's layers are counted on its own class (see tokenbatch.probe._calibrate), else
+        # (encoders, inference, a class that cannot be built) by the analytic rule below.
+        layer = (
+            calibrate(config, torch.float32 if dtype is None else dtype)
+            if task == "causal-lm" and training
+            else None
+        )
 
-        if training:
+        if layer is not None:
+            # the calibration runs without dropout: its masks (and eager attention's dropped scores,
+            # which the second matmul keeps instead of the softmax's output) are added here
+            masks = 2 * m * h if p_hid > 0 else 0
+            if attn_implementation == "eager":
+                layer_linear = layer.eager_linear + masks
+                layer_quadratic = layer.eager_quadratic + (a * (m + e) if p_att > 0 else 0)
+            elif scores:
+                # CPU sdpa's math kernel: eager's tensors, and for 16-bit inputs fp32 copies of q, k
+                # and v, fp32 scores and an fp32 dropout mask and output
+                upcast = e < 4
+                layer_linear = layer.eager_linear + masks + (3 * (4 - e) * h if upcast else 0)
+                layer_quadratic = a * (4 + 8) if upcast else layer.eager_quadratic + a * (m + e)
+            else:
+                layer_linear, layer_quadratic = layer.fused_linear + masks, 0
+            embeddings = e * h + (m * h if p_hid > 0 else 0) + 8
+            # + the final hidden state the head keeps, + the backward pass's working set at its start
+            linear = n_layers * layer_linear + embeddings + e * h + 4 * e * h
+            quadratic = float(n_layers * layer_quadratic)
+        elif training:
             # eager: x, q, k, v (k and v repeated to all heads), the context; fused: x, q, k, v,
             # the kernel's output and its fp32 log-sum-exp per row and head, the context
             attention = 5 * e * h if scores else e * (4 * h + 2 * kv_width) + 4 * a
@@ -327,7 +354,10 @@ class MemoryModel:
             linear += 3 * e * int(_get(config, "num_labels", default=2))
 
         lm_head = task in ("masked-lm", "causal-lm") and not getattr(config, "tie_word_embeddings", True)
-        params, largest = _parameter_count(h, n_layers, inter, kv_width, vocab, config, gated, lm_head)
+        if layer is not None:
+            params, largest = layer.parameters, layer.largest
+        else:
+            params, largest = _parameter_count(h, n_layers, inter, kv_width, vocab, config, gated, lm_head)
         # torch's optimizers keep their state in the parameters' dtype
         state = OPTIMIZER_STATE_BYTES[optimizer] * e // 4 if training else 0
         # Forward + backward peaks where the activations are all alive and hardly any gradient
