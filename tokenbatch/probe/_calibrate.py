@@ -157,6 +157,8 @@ def _calibrate(config_class: Any, config_json: str, dtype: torch.dtype) -> Layer
             models.append(model.eval())  # dropout off; the estimate adds its masks
         terms[attn] = _layer_terms(models)
     one, two = (sum(p.numel() for p in model.parameters()) for model in models)
+    if two <= one:  # the class reads its depth from another attribute: nothing was counted
+        raise ValueError(f"{type(models[1]).__name__} did not grow with config.num_hidden_layers")
     return LayerBytes(
         eager_linear=terms["eager"][0],
         eager_quadratic=terms["eager"][1],

@@ -54,6 +54,44 @@ update's temporaries (``step_peak``; single-tensor AdamW on CPU makes two of
 the largest parameter's size at a time, foreach AdamW on CUDA one per
 parameter). The prediction is the larger of the two.
 
+Causal LMs: the layers counted on the model's own class
+--------------------------------------------------------
+
+How a decoder layer computes is in its modeling file, not its config: a
+gated MLP or not, RMSNorm upcast to fp32, a GELU written in Python, and for
+16-bit eager attention whether the softmax runs in fp32 (transformers 5 does
+so for Llama, Qwen2, Mistral, Gemma, GPT-NeoX, OPT and Phi, and keeps that
+and its 16-bit copy; GPT-2 does not). A list of model types goes stale, so
+for ``task="causal-lm"`` training the layers' terms come from
+:func:`tokenbatch.probe._calibrate.calibrate`: the config's own
+``AutoModelForCausalLM`` class, built with 1 and with 2 layers on the
+``meta`` device, one forward at three short lengths, and the bytes that
+autograd saves for backward counted (distinct storages, weights left out).
+The difference between the two models is one layer's ``linear*L +
+quadratic*L**2``, once with eager attention and once with a stand-in for
+the fused kernels (q, k, v, output, fp32 log-sum-exp). It is always on: it
+runs no arithmetic and allocates nothing, a fraction of a second per config
+(after transformers' modeling module is imported) and remembered per
+config and dtype. Dropout is off in it (``eval`` mode): its masks are added
+here, 1 byte on CUDA and the activations' dtype on CPU. The parameter count
+and the largest parameter are the built models' too. The rest (embeddings,
+the head and loss, the backward's working set, what a device's kernels
+do: CPU sdpa's fp32 math kernel with attention dropout, FSDP's gathers) is
+the analytic rule's. A class that cannot be built (custom code, a config
+transformers does not know, a forward ``meta`` tensors cannot run) logs why
+and falls back to the analytic rule, whose gated MLP, fp32 norm and fp32
+softmax follow ``_GATED_MODEL_TYPES``; encoders and inference use that rule
+too.
+
+On CPU, against the probe's measurement (``tests/test_memory_model_decoder.py``:
+2-layer models of all those families, fp32 and bf16, eager and sdpa) the
+prediction is 0.94 to 1.08 of the measured peak at 1x16, 16x32 and 2x256
+tokens. Not counted: while the last layer's attention runs backward, the
+gradients of its scores (about 3 bytes per pair and head in fp32, 2 in
+bf16, once per step, not per layer) can top the peak; at 1x1024 eager this
+leaves 2-layer models at 0.83 to 0.91 of it, a share that shrinks with the
+number of layers (4-layer Qwen2 and OPT: 0.89 to 0.94).
+
 Which attention implementations store the ``L x L`` scores: ``eager`` always
 does (``attention_probs`` in every layer). ``flash_attention_2``,
 ``flash_attention_3``, ``flex_attention`` and ``sdpa`` on CUDA do not: they
@@ -84,7 +122,9 @@ TASKS = ("auto", "base", "sequence-classification", "token-classification", "mas
 OPTIMIZER_STATE_BYTES = {"adamw": 8, "adam": 8, "sgd-momentum": 4, "sgd": 0, "none": 0}
 # Bytes in fp32 per element of the temporaries the optimizer step allocates (Adam's sqrt(exp_avg_sq) / c).
 _STEP_TEMPORARY_BYTES = {"adamw": 4, "adam": 4, "sgd-momentum": 0, "sgd": 0, "none": 0}
-# HF models whose MLP is gated (gate * act(up)) and whose RMSNorm upcasts to fp32 in Python.
+# The analytic rule's HF models whose MLP is gated (gate * act(up)), whose RMSNorm upcasts to fp32
+# in Python and whose 16-bit eager softmax runs in fp32; a causal LM's own class is counted instead
+# (tokenbatch.probe._calibrate), this list serves encoders, inference and the fallback.
 _GATED_MODEL_TYPES = (
     "llama",
     "mistral",
@@ -217,9 +257,11 @@ class MemoryModel:
         Korthikanti et al. (2022)'s activation counts, adjusted for fp32, for
         CPU dropout masks, for fused attention and for the causal-LM loss's fp32
         buffers, plus weights, gradients and optimizer state; within about 20% of
-        :func:`~tokenbatch.find_max_tokens` on the BERTs measured, and within 3%
-        of the probe's measured peak on the Llama and GPT-2 decoders of
-        ``benchmarks/decoder_memory.py`` (fp32, CPU).
+        :func:`~tokenbatch.find_max_tokens` on the BERTs measured. For
+        ``task="causal-lm"`` training the layers' activations and the parameters
+        are counted on the config's own model class on the ``meta`` device (see
+        the module's docstring); a class that cannot be built logs why and the
+        analytic rule is used.
 
         Args:
             config: a ``transformers.PretrainedConfig`` of an encoder (BERT family)
