@@ -136,7 +136,8 @@ def _layer_terms(models: list[torch.nn.Module]) -> tuple[float, float]:
     one_layer = [_saved_bytes(models[1], length) - _saved_bytes(models[0], length) for length in _LENGTHS]
     design = np.stack([np.ones_like(n), n, n**2], axis=1)
     _, linear, quadratic = np.linalg.solve(design, np.array(one_layer, dtype=np.float64))
-    return max(float(linear), 0.0), max(float(quadratic), 0.0)
+    # whole bytes per token and per pair, up to the solve's rounding
+    return max(round(float(linear), 6), 0.0), max(round(float(quadratic), 6), 0.0)
 
 
 @functools.lru_cache(maxsize=64)

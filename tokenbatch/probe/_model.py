@@ -347,7 +347,11 @@ class MemoryModel:
                 layer_linear = layer.eager_linear + masks + (3 * (4 - e) * h if upcast else 0)
                 layer_quadratic = a * (4 + 8) if upcast else layer.eager_quadratic + a * (m + e)
             else:
-                layer_linear, layer_quadratic = layer.fused_linear + masks, 0
+                # the stand-in keeps k and v repeated to every head, as transformers passes them to sdpa
+                # for padded batches; flash attention takes them at their own width
+                head_dim = int(_get(config, "head_dim", default=h // a))
+                narrow = 2 * e * (a - kv) * head_dim if attn_implementation.startswith("flash") else 0
+                layer_linear, layer_quadratic = layer.fused_linear - narrow + masks, 0
             embeddings = e * h + (m * h if p_hid > 0 else 0) + 8
             # + the final hidden state the head keeps, + the backward pass's working set at its start
             linear = n_layers * layer_linear + embeddings + e * h + 4 * e * h
