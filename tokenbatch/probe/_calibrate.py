@@ -22,7 +22,9 @@ fp32 log-sum-exp per row and head, no ``L x L`` scores. The model runs in
 ``eval`` mode with gradients on: dropout off (the estimate adds dropout's
 masks itself, 1 byte on CUDA and the activations' dtype on CPU, which a
 ``meta`` run cannot tell apart). The parameters of the two models give the
-exact parameter count and the largest parameter.
+exact parameter count and the largest parameter. The stand-in is registered
+in transformers' ``AttentionInterface`` under the name
+``tokenbatch_fused_calibration``, the one trace this leaves.
 
 It takes well under a second per config after transformers' model module is
 imported, and results are remembered per (config, dtype). When the class
@@ -34,8 +36,6 @@ returns ``None`` and logs why; the caller falls back to its analytic rule.
 from __future__ import annotations
 
 import copy
-import functools
-import json
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -47,6 +47,8 @@ logger = logging.getLogger(__name__)
 
 _LENGTHS = (8, 16, 32)
 _FUSED_STAND_IN = "tokenbatch_fused_calibration"
+# what was counted, per (config class, config, dtype): the same estimate is asked for several times
+_remembered: dict[tuple[str, str, torch.dtype], LayerBytes] = {}
 
 
 @dataclass(frozen=True)
@@ -140,12 +142,10 @@ def _layer_terms(models: list[torch.nn.Module]) -> tuple[float, float]:
     return max(round(float(linear), 6), 0.0), max(round(float(quadratic), 6), 0.0)
 
 
-@functools.lru_cache(maxsize=64)
-def _calibrate(config_class: Any, config_json: str, dtype: torch.dtype) -> LayerBytes:
+def _calibrate(base: Any, dtype: torch.dtype) -> LayerBytes:
     from transformers import AutoModelForCausalLM
 
     _register_stand_in()
-    base = config_class.from_dict(json.loads(config_json))
     terms: dict[str, tuple[float, float]] = {}
     models: list[torch.nn.Module] = []
     for attn in ("eager", _FUSED_STAND_IN):
@@ -172,9 +172,13 @@ def _calibrate(config_class: Any, config_json: str, dtype: torch.dtype) -> Layer
 def calibrate(config: Any, dtype: torch.dtype) -> LayerBytes | None:
     """One decoder layer's saved bytes and the model's parameters, from its class on ``meta``;
     ``None`` (logged) when the class cannot be built or run there."""
-    config_class: Any = type(config)
     try:
-        return _calibrate(config_class, config.to_json_string(use_diff=False), dtype)
+        key = (type(config).__qualname__, config.to_json_string(use_diff=False), dtype)
+        if key not in _remembered:
+            if len(_remembered) >= 64:
+                _remembered.clear()
+            _remembered[key] = _calibrate(config, dtype)
+        return _remembered[key]
     except Exception as error:  # any failure of someone else's model code means: use the analytic rule
         logger.warning(
             "tokenbatch: no calibration of %s on the meta device (%s: %s); using the analytic rule",
