@@ -215,3 +215,30 @@ def test_a_causal_lm_built_in_code_is_estimated_with_its_logits(tmp_path: Path) 
     result = auto_budget(model, sampler, memory_limit=limit, measure=False, cache=BudgetCache(tmp_path / "b"))
     expected = budget_in_units(causal, sampler.cost, np.asarray(lengths), limit, 0.1)
     assert result.estimate == pytest.approx(expected, rel=1e-12)
+
+
+if __name__ == "__main__":
+    # The table of predicted / measured peaks: python tests/test_memory_model_decoder.py
+    shapes = [*SHAPES, (1, 1024)]
+    print("| family | dtype | attn | " + " | ".join(f"{b}x{n}" for b, n in shapes) + " |")
+    print("|---|---|---|" + "---|" * len(shapes))
+    rows: list[tuple[str, str, torch.dtype, Any]] = [
+        (build.__name__, attn, dtype, lambda b=build, a=attn, d=dtype: b(a).to(d))
+        for build in (llama, gpt2)
+        for dtype in (torch.float32, torch.bfloat16)
+        for attn in ("eager", "sdpa")
+    ]
+    rows += [
+        (name, attn, dtype, lambda n=name, a=attn, d=dtype: family(n, a, d))
+        for name in FAMILIES
+        for dtype in (torch.float32, torch.bfloat16)
+        for attn in ("eager", "sdpa")
+    ]
+    for name, attn, dtype, build_model in rows:
+        torch.manual_seed(0)
+        model = build_model()
+        limit = getattr(model.config, "max_position_embeddings", None) or model.config.n_positions
+        found = ratios(model, dtype, [shape for shape in shapes if shape[1] <= limit])
+        cells = [name, str(dtype).removeprefix("torch."), attn]
+        cells += [f"{found[shape]:.3f}" if shape in found else "-" for shape in shapes]
+        print("| " + " | ".join(cells) + " |", flush=True)
