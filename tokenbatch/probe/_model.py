@@ -54,6 +54,44 @@ update's temporaries (``step_peak``; single-tensor AdamW on CPU makes two of
 the largest parameter's size at a time, foreach AdamW on CUDA one per
 parameter). The prediction is the larger of the two.
 
+Causal LMs: the layers counted on the model's own class
+--------------------------------------------------------
+
+How a decoder layer computes is in its modeling file, not its config: a
+gated MLP or not, RMSNorm upcast to fp32, a GELU written in Python, and for
+16-bit eager attention whether the softmax runs in fp32 (transformers 5 does
+so for Llama, Qwen2, Mistral, Gemma, GPT-NeoX, OPT and Phi, and keeps that
+and its 16-bit copy; GPT-2 does not). A list of model types goes stale, so
+for ``task="causal-lm"`` training the layers' terms come from
+:func:`tokenbatch.probe._calibrate.calibrate`: the config's own
+``AutoModelForCausalLM`` class, built with 1 and with 2 layers on the
+``meta`` device, one forward at three short lengths, and the bytes that
+autograd saves for backward counted (distinct storages, weights left out).
+The difference between the two models is one layer's ``linear*L +
+quadratic*L**2``, once with eager attention and once with a stand-in for
+the fused kernels (q, k, v, output, fp32 log-sum-exp). It is always on: it
+runs no arithmetic and allocates nothing, a fraction of a second per config
+(after transformers' modeling module is imported) and remembered per
+config and dtype. Dropout is off in it (``eval`` mode): its masks are added
+here, 1 byte on CUDA and the activations' dtype on CPU. The parameter count
+and the largest parameter are the built models' too. The rest (embeddings,
+the head and loss, the backward's working set, what a device's kernels
+do: CPU sdpa's fp32 math kernel with attention dropout, FSDP's gathers) is
+the analytic rule's. A class that cannot be built (custom code, a config
+transformers does not know, a forward ``meta`` tensors cannot run) logs why
+and falls back to the analytic rule, whose gated MLP, fp32 norm and fp32
+softmax follow ``_GATED_MODEL_TYPES``; encoders and inference use that rule
+too.
+
+On CPU, against the probe's measurement (``tests/test_memory_model_decoder.py``:
+2-layer models of all those families, fp32 and bf16, eager and sdpa) the
+prediction is 0.94 to 1.08 of the measured peak at 1x16, 16x32 and 2x256
+tokens. Not counted: while the last layer's attention runs backward, the
+gradients of its scores (about 3 bytes per pair and head in fp32, 2 in
+bf16, once per step, not per layer) can top the peak; at 1x1024 eager this
+leaves 2-layer models at 0.83 to 0.91 of it, a share that shrinks with the
+number of layers (4-layer Qwen2 and OPT: 0.89 to 0.94).
+
 Which attention implementations store the ``L x L`` scores: ``eager`` always
 does (``attention_probs`` in every layer). ``flash_attention_2``,
 ``flash_attention_3``, ``flex_attention`` and ``sdpa`` on CUDA do not: they
@@ -76,6 +114,7 @@ import torch
 
 from tokenbatch import _checks
 from tokenbatch.cost import CostModel
+from tokenbatch.probe._calibrate import calibrate
 
 FUSED_ATTENTION = ("sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
 ATTENTION_IMPLEMENTATIONS = ("eager", *FUSED_ATTENTION)
@@ -83,7 +122,9 @@ TASKS = ("auto", "base", "sequence-classification", "token-classification", "mas
 OPTIMIZER_STATE_BYTES = {"adamw": 8, "adam": 8, "sgd-momentum": 4, "sgd": 0, "none": 0}
 # Bytes in fp32 per element of the temporaries the optimizer step allocates (Adam's sqrt(exp_avg_sq) / c).
 _STEP_TEMPORARY_BYTES = {"adamw": 4, "adam": 4, "sgd-momentum": 0, "sgd": 0, "none": 0}
-# HF models whose MLP is gated (gate * act(up)) and whose RMSNorm upcasts to fp32 in Python.
+# The analytic rule's HF models whose MLP is gated (gate * act(up)), whose RMSNorm upcasts to fp32
+# in Python and whose 16-bit eager softmax runs in fp32; a causal LM's own class is counted instead
+# (tokenbatch.probe._calibrate), this list serves encoders, inference and the fallback.
 _GATED_MODEL_TYPES = (
     "llama",
     "mistral",
@@ -216,9 +257,11 @@ class MemoryModel:
         Korthikanti et al. (2022)'s activation counts, adjusted for fp32, for
         CPU dropout masks, for fused attention and for the causal-LM loss's fp32
         buffers, plus weights, gradients and optimizer state; within about 20% of
-        :func:`~tokenbatch.find_max_tokens` on the BERTs measured, and within 3%
-        of the probe's measured peak on the Llama and GPT-2 decoders of
-        ``benchmarks/decoder_memory.py`` (fp32, CPU).
+        :func:`~tokenbatch.find_max_tokens` on the BERTs measured. For
+        ``task="causal-lm"`` training the layers' activations and the parameters
+        are counted on the config's own model class on the ``meta`` device (see
+        the module's docstring); a class that cannot be built logs why and the
+        analytic rule is used.
 
         Args:
             config: a ``transformers.PretrainedConfig`` of an encoder (BERT family)
@@ -273,7 +316,7 @@ class MemoryModel:
         kv = int(_get(config, "num_key_value_heads", default=a))
         vocab = int(_get(config, "vocab_size", default=0))
         p_att = _dropout(config, "attention_probs_dropout_prob", "attn_pdrop", "attention_dropout")
-        p_hid = _dropout(config, "hidden_dropout_prob", "resid_pdrop", "hidden_dropout")
+        p_hid = _dropout(config, "hidden_dropout_prob", "resid_pdrop", "hidden_dropout", "dropout")
         gated = getattr(config, "model_type", "") in _GATED_MODEL_TYPES
         activation = _get(config, "activation_function", "hidden_act", default="")
         e = torch.empty((), dtype=torch.float32 if dtype is None else dtype).element_size()
@@ -282,8 +325,38 @@ class MemoryModel:
             attn_implementation, device=device, training=training, attention_dropout=p_att
         )
         kv_width = h * kv // a
+        # A causal LM's layers are counted on its own class (see tokenbatch.probe._calibrate), else
+        # (encoders, inference, a class that cannot be built) by the analytic rule below.
+        layer = (
+            calibrate(config, torch.float32 if dtype is None else dtype)
+            if task == "causal-lm" and training
+            else None
+        )
 
-        if training:
+        if layer is not None:
+            # the calibration runs without dropout: its masks (and eager attention's dropped scores,
+            # which the second matmul keeps instead of the softmax's output) are added here
+            masks = 2 * m * h if p_hid > 0 else 0
+            if attn_implementation == "eager":
+                layer_linear = layer.eager_linear + masks
+                layer_quadratic = layer.eager_quadratic + (a * (m + e) if p_att > 0 else 0)
+            elif scores:
+                # CPU sdpa's math kernel: eager's tensors, and for 16-bit inputs fp32 copies of q, k
+                # and v, fp32 scores and an fp32 dropout mask and output
+                upcast = e < 4
+                layer_linear = layer.eager_linear + masks + (3 * (4 - e) * h if upcast else 0)
+                layer_quadratic = a * (4 + 8) if upcast else layer.eager_quadratic + a * (m + e)
+            else:
+                # the stand-in keeps k and v repeated to every head, as transformers passes them to sdpa
+                # for padded batches; flash attention takes them at their own width
+                head_dim = int(_get(config, "head_dim", default=h // a))
+                narrow = 2 * e * (a - kv) * head_dim if attn_implementation.startswith("flash") else 0
+                layer_linear, layer_quadratic = layer.fused_linear - narrow + masks, 0
+            embeddings = e * h + (m * h if p_hid > 0 else 0) + 8
+            # + the final hidden state the head keeps, + the backward pass's working set at its start
+            linear = n_layers * layer_linear + embeddings + e * h + 4 * e * h
+            quadratic = float(n_layers * layer_quadratic)
+        elif training:
             # eager: x, q, k, v (k and v repeated to all heads), the context; fused: x, q, k, v,
             # the kernel's output and its fp32 log-sum-exp per row and head, the context
             attention = 5 * e * h if scores else e * (4 * h + 2 * kv_width) + 4 * a
@@ -327,7 +400,10 @@ class MemoryModel:
             linear += 3 * e * int(_get(config, "num_labels", default=2))
 
         lm_head = task in ("masked-lm", "causal-lm") and not getattr(config, "tie_word_embeddings", True)
-        params, largest = _parameter_count(h, n_layers, inter, kv_width, vocab, config, gated, lm_head)
+        if layer is not None:
+            params, largest = layer.parameters, layer.largest
+        else:
+            params, largest = _parameter_count(h, n_layers, inter, kv_width, vocab, config, gated, lm_head)
         # torch's optimizers keep their state in the parameters' dtype
         state = OPTIMIZER_STATE_BYTES[optimizer] * e // 4 if training else 0
         # Forward + backward peaks where the activations are all alive and hardly any gradient
