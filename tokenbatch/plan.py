@@ -45,7 +45,7 @@ import functools
 import heapq
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -489,31 +489,51 @@ def plan_batches(
         last: np.ndarray = sizes * unit[order[starts + sizes - 1]]  # a batch's cost: its last sample's
         return last
 
-    dropped = np.empty(0, np.int64)
-    if len(sizes) % num_replicas:
-        costs = batch_costs()
-        split = None if drop_last else _split_to_multiple(starts, sizes, num_replicas, batch_size_multiple)
-        if split is not None:
-            starts, sizes = split
-        elif drop_last:
-            cheapest = np.argsort(costs, kind="stable")[: len(sizes) % num_replicas]
-            keep = np.ones(len(sizes), bool)
-            keep[cheapest] = False
-            dropped = _gather_segments(order, starts[~keep], sizes[~keep])
-            starts, sizes = starts[keep], sizes[keep]
-        else:
-            raise ValueError(
-                f"cannot give each of num_replicas={num_replicas} ranks the same number of "
-                f"batches: {int(sizes.sum())} samples need {len(sizes)} batches under "
-                f"max_tokens={budget:g}, and splitting them would leave a batch empty; "
-                f"use drop_last=True, a larger max_tokens, or fewer processes"
-            )
+    starts, sizes, dropped = _equal_per_rank(
+        order, starts, sizes, batch_costs, num_replicas, batch_size_multiple, drop_last, budget, "batches"
+    )
 
     batch_order = _arrange_steps(batch_costs(), num_replicas, rng)
     del pack
     starts, sizes = starts[batch_order], sizes[batch_order]
     offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
     return Plan(_gather_segments(order, starts, sizes), offsets, num_replicas, skipped, dropped)
+
+
+def _equal_per_rank(
+    order: np.ndarray,
+    starts: np.ndarray,
+    sizes: np.ndarray,
+    costs: Callable[[], np.ndarray],
+    num_replicas: int,
+    multiple: int,
+    drop_last: bool,
+    budget: float,
+    noun: str,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The batches (``starts``, ``sizes`` into ``order``) made a multiple of ``num_replicas`` in number.
+
+    The largest are split (:func:`_split_to_multiple`), or with ``drop_last``
+    the cheapest by ``costs()`` are dropped (returned as the third array, the
+    samples left out); where neither can be done the error says why.
+    """
+    dropped = np.empty(0, np.int64)
+    if len(sizes) % num_replicas == 0:
+        return starts, sizes, dropped
+    split = None if drop_last else _split_to_multiple(starts, sizes, num_replicas, multiple)
+    if split is not None:
+        return split[0], split[1], dropped
+    if not drop_last:
+        raise ValueError(
+            f"cannot give each of num_replicas={num_replicas} ranks the same number of "
+            f"{noun}: {int(sizes.sum())} samples need {len(sizes)} {noun} under "
+            f"max_tokens={budget:g}, and splitting them would leave one empty; "
+            f"use drop_last=True, a larger max_tokens, or fewer processes"
+        )
+    cheapest = np.argsort(costs(), kind="stable")[: len(sizes) % num_replicas]
+    keep = np.ones(len(sizes), bool)
+    keep[cheapest] = False
+    return starts[keep], sizes[keep], _gather_segments(order, starts[~keep], sizes[~keep])
 
 
 def _plan_packs(
@@ -552,25 +572,17 @@ def _plan_packs(
     order = np.concatenate([order, alone]).astype(np.int64)
     size_array = np.concatenate([np.asarray(sizes, np.int64), np.ones(len(alone), np.int64)])
     starts = np.cumsum(size_array) - size_array
-    dropped = np.empty(0, np.int64)
-    if len(size_array) % num_replicas:
-        split = None if drop_last else _split_to_multiple(starts, size_array, num_replicas, 1)
-        if split is not None:
-            starts, size_array = split
-        elif drop_last:
-            costs = cost.batch_costs(lengths[order], np.append(starts, len(order)))
-            cheapest = np.argsort(costs, kind="stable")[: len(size_array) % num_replicas]
-            keep = np.ones(len(size_array), bool)
-            keep[cheapest] = False
-            dropped = _gather_segments(order, starts[~keep], size_array[~keep])
-            starts, size_array = starts[keep], size_array[keep]
-        else:
-            raise ValueError(
-                f"cannot give each of num_replicas={num_replicas} ranks the same number of "
-                f"packs: {int(size_array.sum())} samples need {len(size_array)} packs under "
-                f"max_tokens={budget:g}, and splitting them would leave a pack empty; "
-                f"use drop_last=True, a larger max_tokens, or fewer processes"
-            )
+    starts, size_array, dropped = _equal_per_rank(
+        order,
+        starts,
+        size_array,
+        lambda: cost.batch_costs(lengths[order], np.append(starts, len(order))),
+        num_replicas,
+        1,
+        drop_last,
+        budget,
+        "packs",
+    )
     gathered = _gather_segments(order, starts, size_array)
     offsets = np.concatenate([[0], np.cumsum(size_array)]).astype(np.int64)
     # Steps of packs alike in attention work (sum of squares under a varlen kernel), and so in tokens
