@@ -22,10 +22,10 @@ from tokenbatch.stream._buffer import Buffer, estimate_boundaries, tie_breaks
     lengths=st.lists(st.integers(1, 200), min_size=1, max_size=300),
     cuts=st.lists(st.integers(0, 300), max_size=6),
     salt=st.integers(0, 2**62),
-    draws=st.lists(st.tuples(st.floats(0, 0.999), st.floats(0, 0.999), st.floats(0, 0.999)), max_size=8),
+    draws=st.lists(st.tuples(st.floats(0, 0.999), st.floats(0, 0.999)), max_size=8),
 )
 def test_adding_in_chunks_holds_and_draws_what_one_add_does(
-    lengths: list[int], cuts: list[int], salt: int, draws: list[tuple[float, float, float]]
+    lengths: list[int], cuts: list[int], salt: int, draws: list[tuple[float, float]]
 ) -> None:
     cost = CostModel(quadratic=1 / 64)
     padded = np.array(lengths, np.int64)
@@ -52,11 +52,11 @@ def test_adding_in_chunks_holds_and_draws_what_one_add_does(
         assert buffer.items[buffer.slot].tolist() == [examples[i] for i in expected]
     assert whole._bucket_cost.tolist() == parts._bucket_cost.tolist()
     taken = []
-    for shared, first, second in draws:
+    for shared, local in draws:
         if not len(whole):
             break
-        run = whole.draw(shared, [first, second])
-        assert parts.draw(shared, [first, second]) == run
+        run = whole.draw(shared, local)
+        assert parts.draw(shared, local) == run
         taken.append(whole.take(*run))
         assert parts.take(*run) == taken[-1]
     rest = [
@@ -65,3 +65,48 @@ def test_adding_in_chunks_holds_and_draws_what_one_add_does(
     ]
     assert rest[0] == rest[1]
     assert sorted(e for batch in taken + rest[0] for e in batch) == sorted(examples)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    lengths=st.lists(st.integers(1, 300), min_size=1, max_size=200),
+    budget_in_longest=st.floats(0.5, 12),
+    shared=st.floats(0, 0.999),
+    local=st.floats(0, 0.999),
+)
+def test_a_draw_is_the_least_padded_full_run_ending_in_the_bucket(
+    lengths: list[int], budget_in_longest: float, shared: float, local: float
+) -> None:
+    """Against a brute force over every run: within the budget, and no full run of the bucket scores lower."""
+    cost = CostModel(quadratic=1 / 64)
+    padded = np.array(lengths, np.int64)
+    unit = cost.sample_cost(padded)
+    budget = float(unit.max()) * budget_in_longest  # below 1: the longest are oversize, drawn alone
+    buffer = Buffer(budget, estimate_boundaries(padded, unit, 4))
+    buffer.add(np.arange(len(lengths)), padded, unit, tie_breaks(np.arange(len(lengths)), 5), list(lengths))
+    start, stop = buffer.draw(shared, local)
+    held, costs = buffer.padded(), buffer.unit
+    assert 0 <= start < stop <= len(held)
+    assert stop - start == 1 or (stop - start) * costs[stop - 1] <= budget
+
+    line = np.cumsum(buffer._bucket_cost)
+    bucket = min(int(line.searchsorted(shared * line[-1], side="right")), len(line) - 1)
+    first, last = buffer._bucket_range(bucket)
+
+    def score(begin: int, end: int) -> float:
+        run = held[begin:end]
+        return float((len(run) * run[-1] - run.sum()) / len(run) ** 1.5)
+
+    full = []  # (score, start, stop) of every full run ending in the bucket
+    for end in range(first, last):
+        count = max(1, int(budget // costs[end]))
+        while count > 1 and count * costs[end] > budget:
+            count -= 1
+        if count <= end + 1:
+            full.append((score(end + 1 - count, end + 1), end + 1 - count, end + 1))
+    if not full:  # no full run ends in the bucket: the run from its first example on, or the last run
+        assert start == first or stop == len(held)
+        return
+    assert first < stop <= last
+    assert (start, stop) in [(b, e) for _, b, e in full]
+    assert score(start, stop) <= min(s for s, _, _ in full) + 1e-9

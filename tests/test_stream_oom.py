@@ -148,7 +148,7 @@ def test_halve_reaches_dataloader_workers() -> None:
     # on each worker forms its batches under the budget it read from shared memory.
     late = [cost for cost, _ in costs[last.step + 5 :]]
     assert late and max(late) <= fallback.max_tokens
-    assert max(cost for cost, _ in costs[: last.step]) > fallback.max_tokens
+    assert max(cost for cost, _ in costs[: last.step + 5]) > fallback.max_tokens  # formed under 256
 
 
 def test_halve_keeps_going_from_a_resumed_stream_with_its_budget() -> None:

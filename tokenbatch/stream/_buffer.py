@@ -7,16 +7,15 @@ Along the sorted order the costs never decrease, so the examples of a
 batch are a contiguous run, which is what keeps padding low::
 
     cost line:  |--short--|-----bucket 1-----|---bucket 2---|--long--|
-                           ^ anchor          (the bucket is drawn with the same
-                           [== one batch ==)  number on every rank)
+                     [== one batch ==]       (the bucket is drawn with the same
+                        ending in bucket 1    number on every rank)
 
-A batch is drawn in three steps: a bucket, chosen by a random cost quantile
-that all ranks share (so ranks train similar lengths at the same step); an
-anchor, a random point of that bucket's cost (or up to one budget before
-it, so the bucket's first examples are as likely to be taken as the rest);
-and from the anchor on, as many examples as fit the budget
-(:func:`tokenbatch.plan.fit_count`). A run that reaches the longest example
-before the budget is full is replaced by the last full run.
+A batch is drawn in two steps: a bucket, chosen by a random cost quantile
+that all ranks share (so ranks train similar lengths at the same step); then
+of the full runs that end in that bucket (as many examples as fit the budget
+at the run's longest, :func:`tokenbatch.plan.fit_count`), the one with the
+least padding for its size (:meth:`Buffer.draw`). Runs may reach below the
+bucket, so the shortest examples are as likely to go as the rest.
 
 With a packed cost the key is the example's own length (only a pack's row is
 rounded up) and nothing is drawn: :meth:`Buffer.form_packs` packs the whole
@@ -26,7 +25,6 @@ buffer at once and takes out the packs that are full.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -164,32 +162,54 @@ class Buffer:
         self.position = np.concatenate([self.position, np.zeros(extra, np.int64)])
         self._free = np.concatenate([np.arange(size + extra - 1, size - 1, -1), self._free])
 
-    def draw(self, shared: float, anchors: Sequence[float]) -> tuple[int, int]:
+    def draw(self, shared: float, local: float) -> tuple[int, int]:
         """The ``[start, stop)`` run of the next batch, for random numbers in [0, 1).
 
-        ``shared`` (the same on every rank) picks the bucket; each of
-        ``anchors`` (this reader's own) a run in it, and the run with the
-        least padding wins: a region still sparse waits a little longer for
-        neighbours, at no cost to the others.
+        ``shared`` (the same on every rank) picks the bucket. Every full run
+        that ends in it (as many examples as fit the budget at the run's
+        longest) is scored by its padding tokens over ``count**1.5`` and the
+        lowest wins. That is the padding share weighed by length over
+        ``sqrt(count)``: a run of many short examples spans more of the
+        length order than a run of few long ones, so it cannot be as tight,
+        and a share-only choice starves the short end (measured in
+        ``benchmarks/streaming.py``). ``local`` (this reader's own) breaks
+        ties, so equal lengths leave in a random order. A bucket where no
+        full run ends (too few examples below it) gives the run from its
+        first example on.
         """
-        n = len(self.unit)
-        weights = self._bucket_cost
-        line = np.cumsum(weights)
+        budget = self.budget
+        line = np.cumsum(self._bucket_cost)
         bucket = min(int(line.searchsorted(shared * line[-1], side="right")), len(line) - 1)
         first, last = self._bucket_range(bucket)
-        within = np.cumsum(self.unit[first:last])
-        # The shortest bucket's anchor may fall up to one budget before it: nothing reaches
-        # into its first examples from below, and they would linger.
-        lead = self.budget if first == 0 else 0.0
-        best, best_padding = (0, 0), np.inf
-        for u in anchors:
-            anchor = u * (float(within[-1]) + lead) - lead
-            start, stop = self._run_from(min(first + int(within.searchsorted(anchor, side="right")), n - 1))
-            padded = self.key[start:stop] >> _LOW
-            padding = float((stop - start) * padded[-1] - padded.sum()) / float(padded[-1])
-            if padding < best_padding:
-                best, best_padding = (start, stop), padding
-        return best
+        # Only the last of equal lengths can end the best run: moving a run's end up over an equal
+        # length trades its shortest example for one as long as its longest, never more padding.
+        held = self.key[first:last] >> _LOW
+        ends = np.empty(len(held), bool)
+        np.not_equal(held[1:], held[:-1], out=ends[:-1])
+        ends[-1] = True  # a bucket's last example ends a length (buckets cut between lengths)
+        stops = ends.nonzero()[0]
+        stops += first + 1
+        unit = self.unit[stops - 1]
+        count = np.maximum(np.floor(budget / unit), 1.0)
+        over = count * unit > budget  # the quotient may be one over; the product settles it
+        if over.any():
+            count[over & (count > 1)] -= 1
+        full = count <= stops  # a full run needs that many examples at or below its end
+        if not full.all():
+            if not full.any():
+                return self._run_from(first)
+            count, stops = count[full], stops[full]
+        sizes = count.astype(np.int64)
+        low = int((stops - sizes).min())
+        padded = self.key[low:last] >> _LOW
+        below = np.zeros(len(padded) + 1, np.int64)
+        padded.cumsum(out=below[1:])
+        stops -= low
+        waste = sizes * padded[stops - 1] - (below[stops] - below[stops - sizes])
+        score = waste / (count * np.sqrt(count))
+        ties = (score == score.min()).nonzero()[0]
+        best = ties[int(local * len(ties))]
+        return low + int(stops[best] - sizes[best]), low + int(stops[best])
 
     def _bucket_range(self, bucket: int) -> tuple[int, int]:
         keys, bounds = self.key, self._bucket_keys
@@ -215,9 +235,12 @@ class Buffer:
         self.release(slots)
         keys, unit = self.key[start:stop], self.unit[start:stop]
         self._bucket_cost -= self._by_bucket(keys, unit)
-        self.key = np.concatenate([self.key[:start], self.key[stop:]])
-        self.unit = np.concatenate([self.unit[:start], self.unit[stop:]])
-        self.slot = np.concatenate([self.slot[:start], self.slot[stop:]])
+        # Closed up in place (only what lies above the run moves, and nothing is allocated).
+        rest = len(self.key) - (stop - start)
+        self.key[start:rest] = self.key[stop:]
+        self.unit[start:rest] = self.unit[stop:]
+        self.slot[start:rest] = self.slot[stop:]
+        self.key, self.unit, self.slot = self.key[:rest], self.unit[:rest], self.slot[:rest]
         return examples
 
     def release(self, slots: np.ndarray) -> None:

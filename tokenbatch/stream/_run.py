@@ -207,7 +207,7 @@ class Run:
                     self._form_packs()
                 batch = self.buffer.take_slots(self.formed.popleft())
             else:
-                start, stop = self.buffer.draw(self.shared.random(), self.local.random(2).tolist())
+                start, stop = self.buffer.draw(self.shared.random(), self.local.random())
                 batch = self.buffer.take(start, stop)
             self.yielded += 1
             yield batch  # the state already excludes this batch: a checkpoint taken now resumes after it
