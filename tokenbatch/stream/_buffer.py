@@ -170,12 +170,12 @@ class Buffer:
         longest) is scored by its padding tokens over ``count**1.5`` and the
         lowest wins. That is the padding share weighed by length over
         ``sqrt(count)``: a run of many short examples spans more of the
-        length order than a run of few long ones, so it cannot be as tight,
-        and a share-only choice starves the short end (measured in
-        ``benchmarks/streaming.py``). ``local`` (this reader's own) breaks
-        ties, so equal lengths leave in a random order. A bucket where no
-        full run ends (too few examples below it) gives the run from its
-        first example on.
+        length order than a run of few long ones, so it cannot be as tight
+        (scored by padding share alone, the lognormal set of
+        ``benchmarks/streaming.py`` padded more). ``local`` (this reader's
+        own) breaks ties, so equal lengths leave in a random order. A bucket
+        where no full run ends (too few examples below it) gives the run
+        from its first example on.
         """
         budget = self.budget
         line = np.cumsum(self._bucket_cost)
